@@ -1,0 +1,5 @@
+import sys
+
+from fusetune.cli import main
+
+sys.exit(main())

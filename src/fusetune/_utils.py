@@ -1,0 +1,184 @@
+"""Host-side helpers every op shares: dispatch, argument checks, allocation, launch settings."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+
+from fusetune._triton import HAS_TRITON, INTERPRET, triton
+
+Backend = Literal["triton", "interpreter", "reference"]
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def backend(tensor: torch.Tensor) -> Backend:
+    """Which implementation an op runs for ``tensor``: compiled Triton on CUDA, Triton's
+    interpreter on CPU when ``FUSETUNE_INTERPRET=1``, else the pure-PyTorch reference."""
+    if HAS_TRITON and tensor.dtype in KERNEL_DTYPES:
+        if tensor.is_cuda and not INTERPRET:
+            return "triton"
+        if tensor.device.type == "cpu" and INTERPRET:
+            return "interpreter"
+    return "reference"
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_in_flight(device: torch.device) -> int:
+    """Streaming multiprocessors on ``device`` (a small fixed number under the interpreter, so
+    that CPU tests exercise the same launch-shape decisions as a GPU does on larger inputs)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def autotune(configs: Sequence[object], key: Sequence[str], **kwargs: object):
+    """``triton.autotune``, except under the interpreter, where autotuning needs a GPU driver:
+    there the kernel runs with the first config."""
+    if not INTERPRET:
+        return triton.autotune(configs=list(configs), key=list(key), **kwargs)
+
+    first = configs[0]
+
+    def decorate(kernel):
+        def launch(grid):
+            def run(*args, **kw):
+                return kernel[grid](*args, **kw, **first.all_kwargs())
+
+            return run
+
+        class _FirstConfig:
+            def __getitem__(self, grid):
+                return launch(grid)
+
+        return _FirstConfig()
+
+    return decorate
+
+
+# ----------------------------------------------------------------------------- allocation
+
+_POISON = os.environ.get("FUSETUNE_POISON", "0") == "1"
+
+
+@contextlib.contextmanager
+def poison_outputs(enabled: bool = True) -> Iterator[None]:
+    """Fill every buffer ops allocate with NaN (ints with -1) so that an element a kernel forgot
+    to write shows up in the comparison. For tests; also on with ``FUSETUNE_POISON=1``."""
+    global _POISON
+    previous, _POISON = _POISON, enabled
+    try:
+        yield
+    finally:
+        _POISON = previous
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, NaN-poisoned under :func:`poison_outputs`."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _POISON:
+        out.fill_(math.nan if dtype.is_floating_point else -1)
+    return out
+
+
+def scalar_tensor(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 tensor on ``device`` from a Python number or a tensor, without a host sync."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_floating(name: str, tensor: torch.Tensor) -> None:
+    check_tensor(name, tensor)
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float32, float16 or bfloat16), "
+            f"got dtype {tensor.dtype}"
+        )
+
+
+def check_integer(name: str, tensor: torch.Tensor) -> None:
+    check_tensor(name, tensor)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must be an integer tensor (int64 or int32), got dtype {tensor.dtype}"
+        )
+
+
+def check_ndim(name: str, tensor: torch.Tensor, allowed: Sequence[int], layout: str) -> None:
+    if tensor.dim() not in allowed:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(tensor.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"tensors must be on one device, got {listed}")
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    optional: bool = False,
+) -> None:
+    """A finite Python number within [low, high] (or (low, ...] with low_inclusive=False)."""
+    if value is None and optional:
+        return
+    # A chained comparison, not math.isfinite: under torch.compile value may be a SymFloat.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (-math.inf < value < math.inf)
+    ):
+        raise TypeError(f"{name} must be a finite Python number{_got(value)}")
+    too_low = low is not None and (value < low if low_inclusive else value <= low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        bounds = f"{'[' if low_inclusive else '('}{'-inf' if low is None else low}, "
+        bounds += f"{'inf' if high is None else high}]"
+        raise ValueError(f"{name} must be in {bounds}{_got(value)}")
+
+
+def _got(value: object) -> str:
+    """ ", got <value>" for a message; empty under torch.compile, where a symbolic float cannot
+    be formatted (the name and the expected range still say what is wrong)."""
+    return "" if torch.compiler.is_compiling() else f", got {value!r}"

@@ -1,0 +1,50 @@
+"""Loss modules: thin wrappers that hold an op's options."""
+
+from __future__ import annotations
+
+import torch
+
+from fusetune.ops.cross_entropy import cross_entropy
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """Module form of :func:`fusetune.cross_entropy`; the options are fixed at construction.
+
+    ``forward(logits, labels, num_items=None)`` takes logits [N, V] or [B, T, V] and labels
+    [N] or [B, T] and returns what :func:`fusetune.cross_entropy` returns.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        logit_softcap: float | None = None,
+        logit_scale: float | None = None,
+        z_loss: float = 0.0,
+        return_z_loss: bool = False,
+        inplace_backward: bool = False,
+    ) -> None:
+        super().__init__()
+        self.options = dict(
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            logit_softcap=logit_softcap,
+            logit_scale=logit_scale,
+            z_loss=z_loss,
+            return_z_loss=return_z_loss,
+            inplace_backward=inplace_backward,
+        )
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        num_items: float | torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return cross_entropy(logits, labels, num_items=num_items, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in self.options.items())

@@ -1,0 +1,917 @@
+"""Fused cross-entropy over [N, V] or [B, T, V] logits.
+
+Per token, with z = softcap(scale * x) and L = logsumexp(z):
+    loss = L - (1 - eps) z_y - eps mean(z) + z_loss L^2
+    dloss/dz_j = softmax_j (1 + 2 z_loss L) - (1 - eps) [j == y] - eps / V
+    dz/dx = scale (1 - (z / softcap)^2)          (scale alone without a softcap)
+
+Two launch shapes, picked from the row count:
+* many rows: one program per row reads the row once for the logsumexp and, when a gradient is
+  wanted with reduction mean/sum, walks it again in reverse, so the blocks it read last are
+  re-read from L2, and writes the gradient: the logits leave HBM about once.
+* few rows: each row is split over several programs that write partial logsumexps, a small
+  kernel merges them, and a gradient kernel then walks the chunks (the data is small enough to
+  stay in L2).
+With reduction "none" the gradient depends on a per-token upstream gradient, so the forward only
+keeps each row's logsumexp and the backward writes the gradient.
+
+Layout: kernels, host launchers, custom ops, the autograd Function, the public function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusetune import _utils
+from fusetune._triton import tanh, tl, triton
+from fusetune.reference.cross_entropy import (
+    check_cross_entropy_args,
+    check_labels_in_range,
+)
+from fusetune.reference.cross_entropy import cross_entropy as reference_cross_entropy
+
+# ============================================================================ kernels
+
+
+@triton.jit
+def _load_transformed(
+    row_ptr,
+    cols,
+    mask,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Logits at ``cols`` as fp32 after scale and softcap; lanes outside ``mask`` are -inf."""
+    z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        z = z * logit_scale
+    if HAS_SOFTCAP:
+        z = logit_softcap * tanh(z / logit_softcap)
+    return tl.where(mask, z, float("-inf"))
+
+
+@triton.jit
+def _chunk_logsumexp(
+    row_ptr,
+    col_start,
+    col_end,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Online logsumexp of z over [col_start, col_end), and the sum of z (for smoothing)."""
+    running_max = float("-inf")
+    sum_exp = 0.0
+    sum_z = 0.0
+    for start in range(col_start, col_end, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < col_end
+        z = _load_transformed(
+            row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+        )
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        # A row may hold -inf logits (masked vocabulary): shift by 0 then, never by -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
+        running_max = new_max
+        if HAS_SMOOTHING:
+            sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+    return shift + tl.log(sum_exp), sum_z
+
+
+@triton.jit
+def _token_loss(
+    row_ptr,
+    label,
+    vocab,
+    logsumexp,
+    sum_z,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """The per-token loss; NaN when the label is outside [0, vocab) (never read out of bounds)."""
+    in_range = (label >= 0) & (label < vocab)
+    safe_label = tl.where(in_range, label, 0)
+    target = tl.sum(
+        _load_transformed(
+            row_ptr,
+            safe_label + tl.arange(0, 1),
+            tl.full([1], 1, tl.int1),
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+        ),
+        axis=0,
+    )
+    loss = logsumexp - (1.0 - label_smoothing) * target + z_loss * logsumexp * logsumexp
+    if HAS_SMOOTHING:
+        loss -= label_smoothing * sum_z / vocab
+    return tl.where(in_range, loss, float("nan"))
+
+
+@triton.jit
+def _chunk_grad(
+    row_ptr,
+    grad_row_ptr,
+    col_start,
+    col_end,
+    label,
+    vocab,
+    logsumexp,
+    grad_weight,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    REVERSE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write d(grad_weight * loss)/dx over [col_start, col_end)."""
+    softmax_factor = 1.0 + 2.0 * z_loss * logsumexp
+    uniform = label_smoothing / vocab
+    outer = grad_weight
+    if HAS_SCALE:
+        outer = outer * logit_scale
+    n_blocks = tl.cdiv(col_end - col_start, BLOCK)
+    for i in range(0, n_blocks):
+        if REVERSE:
+            block = n_blocks - 1 - i
+        else:
+            block = i
+        cols = col_start + block * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < col_end
+        z = _load_transformed(
+            row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+        )
+        grad = tl.exp(z - logsumexp) * softmax_factor - uniform
+        grad -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
+        if HAS_SOFTCAP:
+            capped = tl.where(mask, z / logit_softcap, 0.0)  # z is -inf off the row: keep it out
+            grad *= 1.0 - capped * capped
+        grad *= outer
+        tl.store(grad_row_ptr + cols, grad.to(grad_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_weight(grad_weight_ptr, label, vocab):
+    """The token's upstream gradient, NaN when its label is out of range (loss is NaN too)."""
+    in_range = (label >= 0) & (label < vocab)
+    return tl.where(in_range, tl.load(grad_weight_ptr), float("nan"))
+
+
+@triton.jit
+def _chunk_zero(grad_row_ptr, col_start, col_end, BLOCK: tl.constexpr):
+    for start in range(col_start, col_end, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        zeros = tl.zeros([BLOCK], dtype=grad_row_ptr.dtype.element_ty)
+        tl.store(grad_row_ptr + cols, zeros, mask=cols < col_end)
+
+
+@triton.jit
+def _row_offset(row, rows_per_batch, stride_batch, stride_row):
+    """int64 element offset of flat row ``row`` in a [B, T, V] tensor with the given strides."""
+    row = row.to(tl.int64)
+    batch = row // rows_per_batch
+    return batch * stride_batch + (row - batch * rows_per_batch) * stride_row
+
+
+@triton.jit
+def _ce_row_kernel(
+    logits_ptr,
+    labels_ptr,
+    grad_ptr,
+    loss_ptr,
+    lse_ptr,
+    grad_weight_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    vocab,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD."""
+    row = tl.program_id(0)
+    label = tl.load(labels_ptr + row)
+    row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
+    grad_row_ptr = grad_ptr + _row_offset(row, rows_per_batch, grad_stride_b, grad_stride_t)
+    if label == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            _chunk_zero(grad_row_ptr, 0, vocab, BLOCK)
+    else:
+        logsumexp, sum_z = _chunk_logsumexp(
+            row_ptr,
+            0,
+            vocab,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            BLOCK,
+        )
+        loss = _token_loss(
+            row_ptr,
+            label,
+            vocab,
+            logsumexp,
+            sum_z,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+        )
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, logsumexp)
+        if COMPUTE_GRAD:
+            grad_weight = _grad_weight(grad_weight_ptr, label, vocab)
+            _chunk_grad(
+                row_ptr,
+                grad_row_ptr,
+                0,
+                vocab,
+                label,
+                vocab,
+                logsumexp,
+                grad_weight,
+                label_smoothing,
+                z_loss,
+                logit_scale,
+                logit_softcap,
+                HAS_SCALE,
+                HAS_SOFTCAP,
+                True,
+                BLOCK,
+            )
+
+
+@triton.jit
+def _ce_partial_kernel(
+    logits_ptr,
+    labels_ptr,
+    partial_lse_ptr,
+    partial_sum_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    vocab,
+    chunk,
+    num_chunks,
+    ignore_index,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, chunks): logsumexp and sum of z over one chunk of one row."""
+    row = tl.program_id(0)
+    chunk_id = tl.program_id(1)
+    label = tl.load(labels_ptr + row)
+    if label != ignore_index:
+        row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
+        col_start = chunk_id * chunk
+        col_end = tl.minimum(col_start + chunk, vocab)
+        logsumexp, sum_z = _chunk_logsumexp(
+            row_ptr,
+            col_start,
+            col_end,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            BLOCK,
+        )
+        slot = row.to(tl.int64) * num_chunks + chunk_id
+        tl.store(partial_lse_ptr + slot, logsumexp)
+        tl.store(partial_sum_ptr + slot, sum_z)
+
+
+@triton.jit
+def _ce_merge_kernel(
+    logits_ptr,
+    labels_ptr,
+    partial_lse_ptr,
+    partial_sum_ptr,
+    loss_ptr,
+    lse_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    vocab,
+    num_chunks,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+):
+    """One program per row: merge the chunks' partial logsumexps into the row's loss."""
+    row = tl.program_id(0)
+    label = tl.load(labels_ptr + row)
+    if label == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+    else:
+        slots = tl.arange(0, CHUNKS_BLOCK)
+        in_row = slots < num_chunks
+        base = row.to(tl.int64) * num_chunks
+        partial_lse = tl.load(partial_lse_ptr + base + slots, mask=in_row, other=float("-inf"))
+        row_max = tl.max(partial_lse, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        logsumexp = shift + tl.log(tl.sum(tl.exp(partial_lse - shift), axis=0))
+        sum_z = tl.sum(tl.load(partial_sum_ptr + base + slots, mask=in_row, other=0.0), axis=0)
+        row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
+        loss = _token_loss(
+            row_ptr,
+            label,
+            vocab,
+            logsumexp,
+            sum_z,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+        )
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, logsumexp)
+
+
+@triton.jit
+def _ce_grad_kernel(
+    logits_ptr,
+    labels_ptr,
+    lse_ptr,
+    grad_weight_ptr,
+    grad_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    grad_weight_stride,
+    vocab,
+    chunk,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, chunks): the gradient of one chunk of one row from the saved logsumexp.
+    ``grad_weight`` is one scalar (stride 0) or one value per row (stride 1)."""
+    row = tl.program_id(0)
+    col_start = tl.program_id(1) * chunk
+    col_end = tl.minimum(col_start + chunk, vocab)
+    label = tl.load(labels_ptr + row)
+    grad_row_ptr = grad_ptr + _row_offset(row, rows_per_batch, grad_stride_b, grad_stride_t)
+    if label == ignore_index:
+        _chunk_zero(grad_row_ptr, col_start, col_end, BLOCK)
+    else:
+        row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
+        grad_weight = _grad_weight(grad_weight_ptr + row * grad_weight_stride, label, vocab)
+        logsumexp = tl.load(lse_ptr + row)
+        _chunk_grad(
+            row_ptr,
+            grad_row_ptr,
+            col_start,
+            col_end,
+            label,
+            vocab,
+            logsumexp,
+            grad_weight,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            False,
+            BLOCK,
+        )
+
+
+@triton.jit
+def _scale_rows_kernel(
+    grad_ptr, factor_ptr, rows_per_batch, stride_b, stride_t, vocab, chunk, BLOCK: tl.constexpr
+):
+    """grad *= factor (a 0-dim tensor). Returns at once when factor == 1, the usual case of
+    ``loss.backward()``, so that skipping the multiply needs no host sync."""
+    factor = tl.load(factor_ptr)
+    if factor != 1.0:
+        row = tl.program_id(0)
+        col_start = tl.program_id(1) * chunk
+        col_end = tl.minimum(col_start + chunk, vocab)
+        row_ptr = grad_ptr + _row_offset(row, rows_per_batch, stride_b, stride_t)
+        for start in range(col_start, col_end, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < col_end
+            grad = tl.load(row_ptr + cols, mask=mask).to(tl.float32) * factor
+            tl.store(row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ============================================================================ host launchers
+
+
+@dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    logit_scale: float | None
+    logit_softcap: float | None
+
+    def kernel_args(self) -> dict:
+        return dict(
+            logit_scale=1.0 if self.logit_scale is None else self.logit_scale,
+            logit_softcap=1.0 if self.logit_softcap is None else self.logit_softcap,
+            HAS_SCALE=self.logit_scale is not None,
+            HAS_SOFTCAP=self.logit_softcap is not None,
+        )
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    block: int  # columns one program handles per step
+    chunks: int  # programs per row
+    chunk: int  # columns per program (a multiple of block)
+    num_warps: int
+
+
+def _launch_plan(n_rows: int, vocab: int, device: torch.device) -> _LaunchPlan:
+    """Split rows over several programs only when there are too few rows to fill the GPU."""
+    max_block = 256 if device.type == "cpu" else 4096
+    block = min(_utils.next_power_of_2(vocab), max_block)
+    programs = _utils.num_programs_in_flight(device)
+    chunks = 1
+    if n_rows < 2 * programs:
+        chunks = max(1, min(_utils.cdiv(4 * programs, max(n_rows, 1)), vocab // (2 * block)))
+    chunk = _utils.cdiv(_utils.cdiv(vocab, chunks), block) * block
+    chunks = _utils.cdiv(vocab, chunk)
+    num_warps = 4 if block <= 1024 else 8
+    return _LaunchPlan(block=block, chunks=chunks, chunk=chunk, num_warps=num_warps)
+
+
+def _as_3d(logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] view of 2-D or 3-D logits whose last dim is contiguous (copying only if not)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return logits.unsqueeze(0) if logits.dim() == 2 else logits
+
+
+def _row_args(tensor3: torch.Tensor) -> tuple[int, int, int]:
+    return tensor3.shape[1], tensor3.stride(0), tensor3.stride(1)
+
+
+def _forward_stats(logits3, labels, options, plan, loss, lse, grad3=None, grad_weight=None):
+    """Fill per-token ``loss`` and ``lse``; with ``grad3``, also the gradient times grad_weight."""
+    n_rows, vocab = labels.numel(), logits3.shape[-1]
+    flags = dict(HAS_SMOOTHING=options.label_smoothing > 0.0, **options.kernel_args())
+    common = dict(vocab=vocab, ignore_index=options.ignore_index)
+    if plan.chunks == 1:
+        grad_target = grad3 if grad3 is not None else logits3
+        _ce_row_kernel[(n_rows,)](
+            logits3,
+            labels,
+            grad_target,
+            loss,
+            lse,
+            grad_weight if grad_weight is not None else lse,
+            *_row_args(logits3),
+            grad_target.stride(0),
+            grad_target.stride(1),
+            label_smoothing=options.label_smoothing,
+            z_loss=options.z_loss,
+            COMPUTE_GRAD=grad3 is not None,
+            BLOCK=plan.block,
+            num_warps=plan.num_warps,
+            **common,
+            **flags,
+        )
+        return
+    partial_lse = _utils.empty((n_rows, plan.chunks), torch.float32, logits3.device)
+    partial_sum = _utils.empty((n_rows, plan.chunks), torch.float32, logits3.device)
+    _ce_partial_kernel[(n_rows, plan.chunks)](
+        logits3,
+        labels,
+        partial_lse,
+        partial_sum,
+        *_row_args(logits3),
+        chunk=plan.chunk,
+        num_chunks=plan.chunks,
+        BLOCK=plan.block,
+        num_warps=plan.num_warps,
+        **common,
+        **flags,
+    )
+    _ce_merge_kernel[(n_rows,)](
+        logits3,
+        labels,
+        partial_lse,
+        partial_sum,
+        loss,
+        lse,
+        *_row_args(logits3),
+        num_chunks=plan.chunks,
+        label_smoothing=options.label_smoothing,
+        z_loss=options.z_loss,
+        CHUNKS_BLOCK=_utils.next_power_of_2(plan.chunks),
+        num_warps=1,
+        **common,
+        **flags,
+    )
+    if grad3 is not None:
+        _write_grad(logits3, labels, lse, grad_weight, grad3, options, plan)
+
+
+def _write_grad(logits3, labels, lse, grad_weight, grad3, options, plan):
+    """grad3 = d(sum_i grad_weight_i * loss_i)/dlogits, grad_weight 0-dim or one per row."""
+    n_rows = labels.numel()
+    _ce_grad_kernel[(n_rows, plan.chunks)](
+        logits3,
+        labels,
+        lse,
+        grad_weight,
+        grad3,
+        *_row_args(logits3),
+        grad3.stride(0),
+        grad3.stride(1),
+        grad_weight_stride=1 if grad_weight.dim() else 0,
+        vocab=logits3.shape[-1],
+        chunk=plan.chunk,
+        ignore_index=options.ignore_index,
+        label_smoothing=options.label_smoothing,
+        z_loss=options.z_loss,
+        BLOCK=plan.block,
+        num_warps=plan.num_warps,
+        **options.kernel_args(),
+    )
+
+
+def _scale_grad(grad3: torch.Tensor, factor: torch.Tensor, plan: _LaunchPlan) -> None:
+    n_rows = grad3.shape[0] * grad3.shape[1]
+    _scale_rows_kernel[(n_rows, plan.chunks)](
+        grad3,
+        factor,
+        *_row_args(grad3),
+        vocab=grad3.shape[-1],
+        chunk=plan.chunk,
+        BLOCK=plan.block,
+        num_warps=plan.num_warps,
+    )
+
+
+# ============================================================================ custom ops
+
+
+def _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap) -> _Options:
+    return _Options(
+        int(ignore_index), float(label_smoothing), float(z_loss), logit_scale, logit_softcap
+    )
+
+
+@torch.library.custom_op("fusetune::cross_entropy_forward", mutates_args=())
+def _forward_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    grad_weight: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    logit_scale: float | None,
+    logit_softcap: float | None,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss and logsumexp (fp32, [N]); with compute_grad, the logits gradient scaled by
+    grad_weight (0-dim fp32), shaped and typed like logits; else an empty tensor."""
+    options = _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    logits3, labels = _as_3d(logits), labels.reshape(-1).contiguous()
+    n_rows, device = labels.numel(), logits.device
+    loss = _utils.empty((n_rows,), torch.float32, device)
+    lse = _utils.empty((n_rows,), torch.float32, device)
+    grad = _utils.empty(logits.shape if compute_grad else (0,), logits.dtype, device)
+    plan = _launch_plan(n_rows, logits.shape[-1], device)
+    if n_rows:  # an empty grid cannot be launched
+        grad3 = _as_3d(grad) if compute_grad else None
+        _forward_stats(logits3, labels, options, plan, loss, lse, grad3, grad_weight)
+    return loss, lse, grad
+
+
+@_forward_op.register_fake
+def _(
+    logits,
+    labels,
+    grad_weight,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    compute_grad,
+):
+    n_rows = labels.numel()
+    grad = logits.new_empty(logits.shape if compute_grad else (0,))
+    return (
+        logits.new_empty((n_rows,), dtype=torch.float32),
+        logits.new_empty((n_rows,), dtype=torch.float32),
+        grad,
+    )
+
+
+@torch.library.custom_op("fusetune::cross_entropy_forward_inplace", mutates_args=("logits",))
+def _forward_inplace_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    grad_weight: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    logit_scale: float | None,
+    logit_softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like cross_entropy_forward with compute_grad, but the gradient overwrites ``logits``
+    (which must have a contiguous last dim)."""
+    options = _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    logits3, labels = _as_3d(logits), labels.reshape(-1).contiguous()
+    n_rows, device = labels.numel(), logits.device
+    loss = _utils.empty((n_rows,), torch.float32, device)
+    lse = _utils.empty((n_rows,), torch.float32, device)
+    plan = _launch_plan(n_rows, logits.shape[-1], device)
+    # Safe in place: every kernel that writes a gradient block has just read that same block,
+    # and the logsumexp is complete before any block is overwritten.
+    if n_rows:
+        _forward_stats(logits3, labels, options, plan, loss, lse, logits3, grad_weight)
+    return loss, lse
+
+
+@_forward_inplace_op.register_fake
+def _(
+    logits, labels, grad_weight, ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap
+):
+    n_rows = labels.numel()
+    return logits.new_empty((n_rows,), dtype=torch.float32), logits.new_empty(
+        (n_rows,), dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("fusetune::cross_entropy_backward", mutates_args=())
+def _backward_op(
+    grad_loss: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    logit_scale: float | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """Logits gradient from per-token upstream gradients ``grad_loss`` (fp32 [N] or 0-dim)."""
+    options = _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    logits3, labels = _as_3d(logits), labels.reshape(-1).contiguous()
+    grad = _utils.empty(logits.shape, logits.dtype, logits.device)
+    plan = _launch_plan(labels.numel(), logits.shape[-1], logits.device)
+    grad_weight = grad_loss.to(torch.float32).contiguous()
+    if labels.numel():
+        _write_grad(logits3, labels, lse, grad_weight, _as_3d(grad), options, plan)
+    return grad
+
+
+@_backward_op.register_fake
+def _(
+    grad_loss,
+    logits,
+    labels,
+    lse,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.custom_op("fusetune::scale_rows_", mutates_args=("grad",))
+def _scale_op(grad: torch.Tensor, factor: torch.Tensor) -> None:
+    """grad *= factor (0-dim), skipped on the device when factor == 1."""
+    grad3 = _as_3d(grad)
+    plan = _launch_plan(grad3.shape[0] * grad3.shape[1], grad.shape[-1], grad.device)
+    if grad.numel():
+        _scale_grad(grad3, factor.to(torch.float32), plan)
+
+
+@_scale_op.register_fake
+def _(grad, factor):
+    return None
+
+
+# ============================================================================ autograd
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Returns (loss, lse): loss reduced with ``inv_denominator`` unless reduction is "none"."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits,
+        labels,
+        inv_denominator,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        logit_scale,
+        logit_softcap,
+        reduction,
+        inplace_backward,
+    ):
+        op_args = (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+        needs_grad = ctx.needs_input_grad[0]
+        # With a scalar upstream gradient (mean/sum) the gradient is known now: write it in the
+        # same pass over the logits, and only rescale it in backward if the upstream is not 1.
+        fused = needs_grad and reduction != "none"
+        if fused and inplace_backward:
+            loss, lse = _forward_inplace_op(logits, labels, inv_denominator, *op_args)
+            grad = logits
+        else:
+            loss, lse, grad = _forward_op(logits, labels, inv_denominator, *op_args, fused)
+        if reduction != "none":
+            loss = loss.sum() * inv_denominator
+        ctx.op_args, ctx.fused = op_args, fused
+        if fused:
+            ctx.save_for_backward(grad)
+        elif needs_grad:
+            ctx.save_for_backward(logits, labels, lse)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_lse):
+        if ctx.fused:
+            (grad,) = ctx.saved_tensors
+            _scale_op(grad, grad_loss)
+        else:
+            logits, labels, lse = ctx.saved_tensors
+            grad = _backward_op(grad_loss, logits, labels, lse, *ctx.op_args)
+        return grad, None, None, None, None, None, None, None, None, None
+
+
+# ============================================================================ public function
+
+
+def _optional_float(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
+    logit_scale: float | None = None,
+    z_loss: float = 0.0,
+    num_items: float | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of ``logits`` against integer ``labels``, fused forward and backward.
+
+    Args:
+        logits: [N, V] or [B, T, V], float32 / float16 / bfloat16, any strides (a slice such as
+            ``logits[:, :-1]`` is read in place). Computation is fp32 whatever the dtype.
+        labels: [N] or [B, T] (logits' leading dims), int64 or int32. Tokens equal to
+            ``ignore_index`` contribute 0 to the loss and get a zero gradient.
+        ignore_index: label value to skip.
+        reduction: "mean" (over non-ignored tokens; 0, not NaN, when all are ignored), "sum",
+            or "none" (per-token losses shaped like labels; ignored tokens give 0).
+        label_smoothing: ε in [0, 1]; the target is (1 - ε) one-hot + ε / V, as in torch.
+        logit_softcap: c > 0; logits become c * tanh(x / c) (Gemma 2), after logit_scale.
+        logit_scale: s > 0; logits become s * x (Cohere). Both enter the gradient.
+        z_loss: coefficient of the auxiliary logsumexp^2 term added per token.
+        num_items: when given, loss = sum over tokens / num_items (a Python number or a 1-element
+            tensor, read on the device: no host sync); the gradient-accumulation normaliser.
+        return_z_loss: also return the z-loss term alone (detached, same reduction) for logging.
+        inplace_backward: write the gradient into ``logits``' storage during the forward (saves
+            a buffer the size of the logits). Safe only when nothing reads ``logits`` after this
+            call: not you, and no other autograd node that saved them (autograd raises if one
+            did, since the op bumps their version counter). Needs reduction "mean" or "sum".
+
+    Returns:
+        the loss (fp32; 0-dim, or shaped like labels with reduction "none"), and with
+        ``return_z_loss`` a (loss, z_loss) pair. The logits gradient has the logits' dtype.
+
+    Raises:
+        TypeError: logits not floating point; labels not an integer tensor; a non-number option.
+        ValueError: labels' shape not logits' leading dims; logits not 2-D or 3-D; an unknown
+            reduction; label_smoothing outside [0, 1]; logit_softcap or logit_scale <= 0;
+            z_loss < 0; num_items with reduction "none"; tensors on different devices; on the
+            CPU, a label outside [0, V) that is not ignore_index.
+
+    A label outside [0, V) on the GPU is never read out of bounds; that token's loss and
+    gradient come out NaN, so the error shows in the loss without a host sync.
+    """
+    check_cross_entropy_args(
+        logits,
+        labels,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap,
+        logit_scale=logit_scale,
+        z_loss=z_loss,
+        num_items=num_items,
+        inplace_backward=inplace_backward,
+    )
+    if _utils.backend(logits) == "reference":
+        return reference_cross_entropy(
+            logits,
+            labels,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            logit_softcap=logit_softcap,
+            logit_scale=logit_scale,
+            z_loss=z_loss,
+            num_items=num_items,
+            return_z_loss=return_z_loss,
+        )
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_labels_in_range(labels, logits.shape[-1], ignore_index)
+
+    if inplace_backward and logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernels need a unit column stride to write in place
+    valid = labels != ignore_index
+    if num_items is not None:
+        denominator = _utils.scalar_tensor(num_items, logits.device)
+    elif reduction == "mean":
+        denominator = valid.sum().clamp_min(1).to(torch.float32)
+    else:
+        denominator = torch.ones((), dtype=torch.float32, device=logits.device)
+    inv_denominator = denominator.reciprocal()
+
+    loss, lse = _CrossEntropyFunction.apply(
+        logits,
+        labels,
+        inv_denominator,
+        int(ignore_index),
+        float(label_smoothing),
+        float(z_loss),
+        _optional_float(logit_scale),
+        _optional_float(logit_softcap),
+        reduction,
+        inplace_backward,
+    )
+    if reduction == "none":
+        loss = loss.view(labels.shape)
+    if not return_z_loss:
+        return loss
+    z_term = torch.where(valid, z_loss * lse.view(labels.shape).square(), 0.0)
+    z_value = z_term if reduction == "none" else z_term.sum() * inv_denominator
+    return loss, z_value.detach()

@@ -1,0 +1,145 @@
+"""Pure-PyTorch cross-entropy: the semantics of :func:`fusetune.cross_entropy`, the CPU path
+and the tests' oracle. Computes in float32 (float64 for float64 logits)."""
+
+from __future__ import annotations
+
+import torch
+
+from fusetune._utils import (
+    check_choice,
+    check_floating,
+    check_integer,
+    check_ndim,
+    check_number,
+    check_same_device,
+)
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_cross_entropy_args(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    reduction: str,
+    label_smoothing: float,
+    logit_softcap: float | None,
+    logit_scale: float | None,
+    z_loss: float,
+    num_items: float | torch.Tensor | None,
+    inplace_backward: bool = False,
+) -> None:
+    """The argument checks :func:`fusetune.cross_entropy` and this reference share."""
+    check_floating("logits", logits)
+    check_ndim("logits", logits, (2, 3), "[N, V] or [B, T, V]")
+    check_integer("labels", labels)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels must have shape {tuple(logits.shape[:-1])} (logits' leading dims; logits "
+            f"are {tuple(logits.shape)}), got {tuple(labels.shape)}"
+        )
+    if logits.shape[-1] == 0:
+        raise ValueError(
+            f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}"
+        )
+    check_same_device(logits=logits, labels=labels)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    check_number("logit_softcap", logit_softcap, low=0.0, low_inclusive=False, optional=True)
+    check_number("logit_scale", logit_scale, low=0.0, low_inclusive=False, optional=True)
+    check_number("z_loss", z_loss, low=0.0)
+    if num_items is not None:
+        if reduction == "none":
+            raise ValueError("num_items divides a summed loss; it needs reduction 'mean' or 'sum'")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise ValueError(
+                    "num_items must be a number or a 1-element tensor, "
+                    f"got shape {tuple(num_items.shape)}"
+                )
+        else:
+            check_number("num_items", num_items, low=0.0, low_inclusive=False)
+    if inplace_backward and reduction == "none":
+        raise ValueError("inplace_backward needs reduction 'mean' or 'sum' (got 'none')")
+
+
+def check_labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise if a label is neither ignore_index nor in [0, vocab). Reads values: CPU only."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        first = labels[bad].flatten()[0].item()
+        raise ValueError(
+            f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}; found {first}"
+        )
+
+
+def transform_logits(
+    logits: torch.Tensor, logit_scale: float | None, logit_softcap: float | None
+) -> torch.Tensor:
+    """scale, then softcap: z = c * tanh(s * x / c)."""
+    z = logits.float() if logits.dtype != torch.float64 else logits
+    if logit_scale is not None:
+        z = z * logit_scale
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    return z
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
+    logit_scale: float | None = None,
+    z_loss: float = 0.0,
+    num_items: float | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`fusetune.cross_entropy` (same signature and semantics).
+
+    Per token with label y (z the scaled, softcapped logits, ε the smoothing):
+    ``loss = lse(z) - (1 - ε) z_y - ε mean(z) + z_loss * lse(z)^2``; ignored tokens give 0.
+    ``inplace_backward`` is accepted for signature parity and has no effect here.
+    """
+    check_cross_entropy_args(
+        logits,
+        labels,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap,
+        logit_scale=logit_scale,
+        z_loss=z_loss,
+        num_items=num_items,
+        inplace_backward=inplace_backward,
+    )
+    vocab = logits.shape[-1]
+    if not labels.is_cuda and not torch.compiler.is_compiling():
+        check_labels_in_range(labels, vocab, ignore_index)  # on CUDA this would sync the host
+    z = transform_logits(logits, logit_scale, logit_softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = labels != ignore_index
+    target = z.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    eps = label_smoothing
+    per_token = lse - (1.0 - eps) * target + z_loss * lse.square()
+    if eps > 0:  # skipped at 0 so that -inf logits (a masked vocabulary) give no 0 * inf
+        per_token = per_token - eps * z.mean(dim=-1)
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    per_token = torch.where(valid, per_token, zero)
+    z_term = torch.where(valid, z_loss * lse.detach().square(), zero)
+
+    if reduction == "none":
+        loss, z_value = per_token, z_term
+    else:
+        if num_items is not None:
+            denominator = torch.as_tensor(num_items, dtype=z.dtype, device=z.device).reshape(())
+        elif reduction == "mean":
+            denominator = valid.sum().clamp_min(1).to(z.dtype)
+        else:
+            denominator = torch.ones((), dtype=z.dtype, device=z.device)
+        loss = per_token.sum() / denominator
+        z_value = z_term.sum() / denominator
+    return (loss, z_value.detach()) if return_z_loss else loss
