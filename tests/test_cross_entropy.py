@@ -33,6 +33,7 @@ def make_inputs(shape: tuple[int, ...], *, ignore_fraction: float = 0.2, spread:
 
 
 def run(inputs, dtype, **kw):
+    outputs = 2 if kw.get("kwargs", {}).get("return_z_loss") else 1
     return check_op(
         fusetune.cross_entropy,
         reference_ce,
@@ -41,50 +42,67 @@ def run(inputs, dtype, **kw):
         cast=["logits"],
         grad=["logits"],
         compute_dtype=torch.float32,
-        output_dtypes=[torch.float32] * 2,
+        output_dtypes=[torch.float32] * outputs,
         **kw,
     )
 
 
-# Two variants cover both launch shapes: enough rows for one program per row (the fused
-# forward+backward kernel), and few rows, each split over programs with merged logsumexps.
+# Two variants, each forced onto one launch shape so that the CPU and the GPU pass test the
+# same paths: one program per row (fused forward+backward), and rows split over programs
+# whose partial logsumexps are merged.
 VARIANTS = {
     "rows-3d-mean-all-options": (
         (2, 5, 777),
-        dict(
-            reduction="mean",
-            label_smoothing=0.1,
-            logit_softcap=3.0,
-            logit_scale=0.7,
-            z_loss=1e-3,
-            return_z_loss=True,
-        ),
+        1,
+        dict(reduction="mean", label_smoothing=0.1, logit_softcap=3.0, logit_scale=0.7,
+             z_loss=1e-3, return_z_loss=True),
     ),
     "split-2d-none-softcap": (
         (3, 1531),
-        dict(
-            reduction="none",
-            label_smoothing=0.05,
-            logit_softcap=30.0,
-            return_z_loss=True,
-            z_loss=2e-4,
-        ),
+        3,
+        dict(reduction="none", label_smoothing=0.05, logit_softcap=30.0, return_z_loss=True,
+             z_loss=2e-4),
     ),
 }
 
 
+def force_launch(monkeypatch, chunks: int, block: int = 128) -> None:
+    """Make every launch use ``chunks`` programs per row and ``block`` columns per step."""
+
+    def plan(n_rows, vocab, device):
+        chunk = -(-(-(-vocab // chunks)) // block) * block
+        return ce_module._LaunchPlan(block=block, chunks=-(-vocab // chunk), chunk=chunk,
+                                     num_warps=4)
+
+    monkeypatch.setattr(ce_module, "_launch_plan", plan)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @matrix()
-def test_matrix(variant, dtype, autocast, mode, layout):
-    shape, kwargs = VARIANTS[variant]
+def test_matrix(variant, dtype, autocast, mode, layout, monkeypatch):
+    shape, chunks, kwargs = VARIANTS[variant]
+    force_launch(monkeypatch, chunks)
+    assert ce_module._launch_plan(shape[0], shape[-1], DEVICE).chunks == chunks
     assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
     run(make_inputs(shape), dtype, kwargs=kwargs, mode=mode, autocast=autocast, layout=layout)
 
 
-def test_both_launch_shapes_are_exercised():
-    """The variants above must really take the two paths (guards against retuned constants)."""
-    assert ce_module._launch_plan(10, 777, DEVICE).chunks == 1 or ON_GPU
-    assert ce_module._launch_plan(3, 1531, DEVICE).chunks > 1
+@pytest.mark.parametrize("chunks,block", [(1, 128), (1, 1024), (2, 64), (5, 32)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_launch_shapes(chunks, block, reduction, monkeypatch):
+    """Every launch shape, the single-block one (block >= V) included, gives the same result."""
+    force_launch(monkeypatch, chunks, block)
+    kwargs = dict(reduction=reduction, label_smoothing=0.1, logit_softcap=5.0, z_loss=1e-3)
+    run(make_inputs((7, 1000)), torch.bfloat16, kwargs=kwargs)
+
+
+def test_default_launch_plan(monkeypatch):
+    monkeypatch.setattr(ce_module._utils, "num_programs_in_flight", lambda device: 132)  # H100
+    plan = ce_module._launch_plan(10_000, 128_256, torch.device("cuda"))
+    assert plan.chunks == 1 and plan.chunk >= 128_256
+    plan = ce_module._launch_plan(2, 262_144, torch.device("cuda"))
+    assert plan.chunks > 1 and plan.chunk % plan.block == 0
+    assert (plan.chunks - 1) * plan.chunk < 262_144 <= plan.chunks * plan.chunk
 
 
 OPTIONS = {

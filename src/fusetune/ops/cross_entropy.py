@@ -33,18 +33,12 @@ from fusetune.reference.cross_entropy import (
 from fusetune.reference.cross_entropy import cross_entropy as reference_cross_entropy
 
 # ============================================================================ kernels
+# fmt: off  (kernel signatures stay one argument group per line, as the launchers pass them)
 
 
 @triton.jit
-def _load_transformed(
-    row_ptr,
-    cols,
-    mask,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
+def _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
+                      HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Logits at ``cols`` as fp32 after scale and softcap; lanes outside ``mask`` are -inf."""
     z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
@@ -55,17 +49,22 @@ def _load_transformed(
 
 
 @triton.jit
-def _chunk_logsumexp(
-    row_ptr,
-    col_start,
-    col_end,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _block_logsumexp(z, mask, HAS_SMOOTHING: tl.constexpr):
+    """logsumexp and sum of one block of transformed logits (-inf lanes allowed)."""
+    block_max = tl.max(z, axis=0)
+    # A row may hold -inf logits (a masked vocabulary): shift by 0 then, never by -inf.
+    shift = tl.where(block_max == float("-inf"), 0.0, block_max)
+    logsumexp = shift + tl.log(tl.sum(tl.exp(z - shift), axis=0))
+    sum_z = 0.0
+    if HAS_SMOOTHING:
+        sum_z = tl.sum(tl.where(mask, z, 0.0), axis=0)
+    return logsumexp, sum_z
+
+
+@triton.jit
+def _chunk_logsumexp(row_ptr, col_start, col_end, logit_scale, logit_softcap,
+                     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
     """Online logsumexp of z over [col_start, col_end), and the sum of z (for smoothing)."""
     running_max = float("-inf")
     sum_exp = 0.0
@@ -73,12 +72,10 @@ def _chunk_logsumexp(
     for start in range(col_start, col_end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < col_end
-        z = _load_transformed(
-            row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
-        )
+        z = _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
+                              HAS_SCALE, HAS_SOFTCAP)
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
-        # A row may hold -inf logits (masked vocabulary): shift by 0 then, never by -inf.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # see _block_logsumexp
         sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
         running_max = new_max
         if HAS_SMOOTHING:
@@ -88,35 +85,14 @@ def _chunk_logsumexp(
 
 
 @triton.jit
-def _token_loss(
-    row_ptr,
-    label,
-    vocab,
-    logsumexp,
-    sum_z,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-):
+def _token_loss(row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss,
+                logit_scale, logit_softcap,
+                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
     """The per-token loss; NaN when the label is outside [0, vocab) (never read out of bounds)."""
     in_range = (label >= 0) & (label < vocab)
-    safe_label = tl.where(in_range, label, 0)
-    target = tl.sum(
-        _load_transformed(
-            row_ptr,
-            safe_label + tl.arange(0, 1),
-            tl.full([1], 1, tl.int1),
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-        ),
-        axis=0,
-    )
+    safe_label = tl.where(in_range, label, 0) + tl.arange(0, 1)
+    target = tl.sum(_load_transformed(row_ptr, safe_label, safe_label >= 0, logit_scale,
+                                      logit_softcap, HAS_SCALE, HAS_SOFTCAP), axis=0)
     loss = logsumexp - (1.0 - label_smoothing) * target + z_loss * logsumexp * logsumexp
     if HAS_SMOOTHING:
         loss -= label_smoothing * sum_z / vocab
@@ -124,30 +100,32 @@ def _token_loss(
 
 
 @triton.jit
-def _chunk_grad(
-    row_ptr,
-    grad_row_ptr,
-    col_start,
-    col_end,
-    label,
-    vocab,
-    logsumexp,
-    grad_weight,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    REVERSE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Write d(grad_weight * loss)/dx over [col_start, col_end)."""
-    softmax_factor = 1.0 + 2.0 * z_loss * logsumexp
-    uniform = label_smoothing / vocab
-    outer = grad_weight
+def _grad_weight(grad_weight_ptr, label, vocab):
+    """The token's upstream gradient, NaN when its label is out of range (loss is NaN too)."""
+    in_range = (label >= 0) & (label < vocab)
+    return tl.where(in_range, tl.load(grad_weight_ptr), float("nan"))
+
+
+@triton.jit
+def _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss,
+                logit_scale, logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """d(grad_weight * loss)/dx for one block, from its transformed logits z."""
+    grad = tl.exp(z - logsumexp) * (1.0 + 2.0 * z_loss * logsumexp) - label_smoothing / vocab
+    grad -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
+    if HAS_SOFTCAP:
+        capped = tl.where(mask, z / logit_softcap, 0.0)  # z is -inf off the row: keep it out
+        grad *= 1.0 - capped * capped
     if HAS_SCALE:
-        outer = outer * logit_scale
+        grad *= logit_scale
+    return grad * grad_weight
+
+
+@triton.jit
+def _chunk_grad(row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp, grad_weight,
+                label_smoothing, z_loss, logit_scale, logit_softcap,
+                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                REVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the gradient over [col_start, col_end), last block first when REVERSE."""
     n_blocks = tl.cdiv(col_end - col_start, BLOCK)
     for i in range(0, n_blocks):
         if REVERSE:
@@ -156,23 +134,11 @@ def _chunk_grad(
             block = i
         cols = col_start + block * BLOCK + tl.arange(0, BLOCK)
         mask = cols < col_end
-        z = _load_transformed(
-            row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
-        )
-        grad = tl.exp(z - logsumexp) * softmax_factor - uniform
-        grad -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
-        if HAS_SOFTCAP:
-            capped = tl.where(mask, z / logit_softcap, 0.0)  # z is -inf off the row: keep it out
-            grad *= 1.0 - capped * capped
-        grad *= outer
+        z = _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
+                              HAS_SCALE, HAS_SOFTCAP)
+        grad = _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing,
+                           z_loss, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP)
         tl.store(grad_row_ptr + cols, grad.to(grad_row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _grad_weight(grad_weight_ptr, label, vocab):
-    """The token's upstream gradient, NaN when its label is out of range (loss is NaN too)."""
-    in_range = (label >= 0) & (label < vocab)
-    return tl.where(in_range, tl.load(grad_weight_ptr), float("nan"))
 
 
 @triton.jit
@@ -193,30 +159,14 @@ def _row_offset(row, rows_per_batch, stride_batch, stride_row):
 
 @triton.jit
 def _ce_row_kernel(
-    logits_ptr,
-    labels_ptr,
-    grad_ptr,
-    loss_ptr,
-    lse_ptr,
-    grad_weight_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    vocab,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, grad_weight_ptr,
+    rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t,
+    vocab, ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD."""
+    """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD.
+    SINGLE_BLOCK (BLOCK >= vocab): the row stays in registers between the two passes."""
     row = tl.program_id(0)
     label = tl.load(labels_ptr + row)
     row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
@@ -227,73 +177,39 @@ def _ce_row_kernel(
         if COMPUTE_GRAD:
             _chunk_zero(grad_row_ptr, 0, vocab, BLOCK)
     else:
-        logsumexp, sum_z = _chunk_logsumexp(
-            row_ptr,
-            0,
-            vocab,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
-            BLOCK,
-        )
-        loss = _token_loss(
-            row_ptr,
-            label,
-            vocab,
-            logsumexp,
-            sum_z,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
-        )
+        if SINGLE_BLOCK:
+            cols = tl.arange(0, BLOCK)
+            mask = cols < vocab
+            z = _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
+                                  HAS_SCALE, HAS_SOFTCAP)
+            logsumexp, sum_z = _block_logsumexp(z, mask, HAS_SMOOTHING)
+        else:
+            logsumexp, sum_z = _chunk_logsumexp(row_ptr, 0, vocab, logit_scale, logit_softcap,
+                                                HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK)
+        loss = _token_loss(row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss,
+                           logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
         if COMPUTE_GRAD:
             grad_weight = _grad_weight(grad_weight_ptr, label, vocab)
-            _chunk_grad(
-                row_ptr,
-                grad_row_ptr,
-                0,
-                vocab,
-                label,
-                vocab,
-                logsumexp,
-                grad_weight,
-                label_smoothing,
-                z_loss,
-                logit_scale,
-                logit_softcap,
-                HAS_SCALE,
-                HAS_SOFTCAP,
-                True,
-                BLOCK,
-            )
+            if SINGLE_BLOCK:
+                grad = _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight,
+                                   label_smoothing, z_loss, logit_scale, logit_softcap,
+                                   HAS_SCALE, HAS_SOFTCAP)
+                tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            else:
+                # Reverse order: the blocks read last by the first pass are still in L2.
+                _chunk_grad(row_ptr, grad_row_ptr, 0, vocab, label, vocab, logsumexp,
+                            grad_weight, label_smoothing, z_loss, logit_scale, logit_softcap,
+                            HAS_SCALE, HAS_SOFTCAP, True, BLOCK)
 
 
 @triton.jit
 def _ce_partial_kernel(
-    logits_ptr,
-    labels_ptr,
-    partial_lse_ptr,
-    partial_sum_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    vocab,
-    chunk,
-    num_chunks,
-    ignore_index,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
+    logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr,
+    rows_per_batch, logits_stride_b, logits_stride_t, vocab, chunk, num_chunks, ignore_index,
+    logit_scale, logit_softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): logsumexp and sum of z over one chunk of one row."""
@@ -304,17 +220,9 @@ def _ce_partial_kernel(
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
         col_start = chunk_id * chunk
         col_end = tl.minimum(col_start + chunk, vocab)
-        logsumexp, sum_z = _chunk_logsumexp(
-            row_ptr,
-            col_start,
-            col_end,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
-            BLOCK,
-        )
+        logsumexp, sum_z = _chunk_logsumexp(row_ptr, col_start, col_end, logit_scale,
+                                            logit_softcap, HAS_SCALE, HAS_SOFTCAP,
+                                            HAS_SMOOTHING, BLOCK)
         slot = row.to(tl.int64) * num_chunks + chunk_id
         tl.store(partial_lse_ptr + slot, logsumexp)
         tl.store(partial_sum_ptr + slot, sum_z)
@@ -322,25 +230,10 @@ def _ce_partial_kernel(
 
 @triton.jit
 def _ce_merge_kernel(
-    logits_ptr,
-    labels_ptr,
-    partial_lse_ptr,
-    partial_sum_ptr,
-    loss_ptr,
-    lse_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    vocab,
-    num_chunks,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
+    logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, loss_ptr, lse_ptr,
+    rows_per_batch, logits_stride_b, logits_stride_t, vocab, num_chunks, ignore_index,
+    label_smoothing, z_loss, logit_scale, logit_softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
 ):
     """One program per row: merge the chunks' partial logsumexps into the row's loss."""
@@ -354,52 +247,22 @@ def _ce_merge_kernel(
         in_row = slots < num_chunks
         base = row.to(tl.int64) * num_chunks
         partial_lse = tl.load(partial_lse_ptr + base + slots, mask=in_row, other=float("-inf"))
-        row_max = tl.max(partial_lse, axis=0)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        logsumexp = shift + tl.log(tl.sum(tl.exp(partial_lse - shift), axis=0))
+        logsumexp, _ = _block_logsumexp(partial_lse, in_row, False)
         sum_z = tl.sum(tl.load(partial_sum_ptr + base + slots, mask=in_row, other=0.0), axis=0)
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
-        loss = _token_loss(
-            row_ptr,
-            label,
-            vocab,
-            logsumexp,
-            sum_z,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
-        )
+        loss = _token_loss(row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss,
+                           logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
 
 
 @triton.jit
 def _ce_grad_kernel(
-    logits_ptr,
-    labels_ptr,
-    lse_ptr,
-    grad_weight_ptr,
-    grad_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    grad_weight_stride,
-    vocab,
-    chunk,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    logits_ptr, labels_ptr, lse_ptr, grad_weight_ptr, grad_ptr,
+    rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t,
+    grad_weight_stride, vocab, chunk, ignore_index, label_smoothing, z_loss,
+    logit_scale, logit_softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): the gradient of one chunk of one row from the saved logsumexp.
     ``grad_weight`` is one scalar (stride 0) or one value per row (stride 1)."""
@@ -414,30 +277,14 @@ def _ce_grad_kernel(
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
         grad_weight = _grad_weight(grad_weight_ptr + row * grad_weight_stride, label, vocab)
         logsumexp = tl.load(lse_ptr + row)
-        _chunk_grad(
-            row_ptr,
-            grad_row_ptr,
-            col_start,
-            col_end,
-            label,
-            vocab,
-            logsumexp,
-            grad_weight,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            False,
-            BLOCK,
-        )
+        _chunk_grad(row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp,
+                    grad_weight, label_smoothing, z_loss, logit_scale, logit_softcap,
+                    HAS_SCALE, HAS_SOFTCAP, False, BLOCK)
 
 
 @triton.jit
-def _scale_rows_kernel(
-    grad_ptr, factor_ptr, rows_per_batch, stride_b, stride_t, vocab, chunk, BLOCK: tl.constexpr
-):
+def _scale_rows_kernel(grad_ptr, factor_ptr, rows_per_batch, stride_b, stride_t, vocab, chunk,
+                       BLOCK: tl.constexpr):
     """grad *= factor (a 0-dim tensor). Returns at once when factor == 1, the usual case of
     ``loss.backward()``, so that skipping the multiply needs no host sync."""
     factor = tl.load(factor_ptr)
@@ -451,6 +298,9 @@ def _scale_rows_kernel(
             mask = cols < col_end
             grad = tl.load(row_ptr + cols, mask=mask).to(tl.float32) * factor
             tl.store(row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# fmt: on
 
 
 # ============================================================================ host launchers
@@ -481,18 +331,30 @@ class _LaunchPlan:
     num_warps: int
 
 
+# Launch constants, measured on an H100 (tools/tune_cross_entropy.py; numbers in NOTES.md).
+BLOCK = 4096  # columns a program handles per step when a row takes several steps
+WARPS = 8
+SINGLE_BLOCK_MAX = 32768  # rows up to this long are held in registers in one step
+SINGLE_BLOCK_WARPS = 16
+INTERPRETER_BLOCK = 256  # small, so that CPU tests with small vocabularies still loop and split
+
+
 def _launch_plan(n_rows: int, vocab: int, device: torch.device) -> _LaunchPlan:
-    """Split rows over several programs only when there are too few rows to fill the GPU."""
-    max_block = 256 if device.type == "cpu" else 4096
-    block = min(_utils.next_power_of_2(vocab), max_block)
+    """One program per row, or, when there are too few rows to fill the GPU, each row split
+    over several programs."""
     programs = _utils.num_programs_in_flight(device)
+    if device.type == "cpu":
+        block, warps = min(_utils.next_power_of_2(vocab), INTERPRETER_BLOCK), 4
+    elif vocab <= SINGLE_BLOCK_MAX and n_rows >= 2 * programs:
+        block, warps = _utils.next_power_of_2(vocab), SINGLE_BLOCK_WARPS
+        warps = min(warps, max(1, block // 256))
+    else:
+        block, warps = min(_utils.next_power_of_2(vocab), BLOCK), WARPS
     chunks = 1
     if n_rows < 2 * programs:
         chunks = max(1, min(_utils.cdiv(4 * programs, max(n_rows, 1)), vocab // (2 * block)))
     chunk = _utils.cdiv(_utils.cdiv(vocab, chunks), block) * block
-    chunks = _utils.cdiv(vocab, chunk)
-    num_warps = 4 if block <= 1024 else 8
-    return _LaunchPlan(block=block, chunks=chunks, chunk=chunk, num_warps=num_warps)
+    return _LaunchPlan(block=block, chunks=_utils.cdiv(vocab, chunk), chunk=chunk, num_warps=warps)
 
 
 def _as_3d(logits: torch.Tensor) -> torch.Tensor:
@@ -526,6 +388,7 @@ def _forward_stats(logits3, labels, options, plan, loss, lse, grad3=None, grad_w
             label_smoothing=options.label_smoothing,
             z_loss=options.z_loss,
             COMPUTE_GRAD=grad3 is not None,
+            SINGLE_BLOCK=plan.block >= vocab,
             BLOCK=plan.block,
             num_warps=plan.num_warps,
             **common,
