@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fusetune
+from fusetune._utils import cdiv
 from fusetune.ops import cross_entropy as ce_module
 from fusetune.reference import cross_entropy as reference_ce
 from harness import (
@@ -54,14 +55,25 @@ VARIANTS = {
     "rows-3d-mean-all-options": (
         (2, 5, 777),
         1,
-        dict(reduction="mean", label_smoothing=0.1, logit_softcap=3.0, logit_scale=0.7,
-             z_loss=1e-3, return_z_loss=True),
+        dict(
+            reduction="mean",
+            label_smoothing=0.1,
+            logit_softcap=3.0,
+            logit_scale=0.7,
+            z_loss=1e-3,
+            return_z_loss=True,
+        ),
     ),
     "split-2d-none-softcap": (
         (3, 1531),
         3,
-        dict(reduction="none", label_smoothing=0.05, logit_softcap=30.0, return_z_loss=True,
-             z_loss=2e-4),
+        dict(
+            reduction="none",
+            label_smoothing=0.05,
+            logit_softcap=30.0,
+            return_z_loss=True,
+            z_loss=2e-4,
+        ),
     ),
 }
 
@@ -70,9 +82,10 @@ def force_launch(monkeypatch, chunks: int, block: int = 128) -> None:
     """Make every launch use ``chunks`` programs per row and ``block`` columns per step."""
 
     def plan(n_rows, vocab, device):
-        chunk = -(-(-(-vocab // chunks)) // block) * block
-        return ce_module._LaunchPlan(block=block, chunks=-(-vocab // chunk), chunk=chunk,
-                                     num_warps=4)
+        chunk = cdiv(cdiv(vocab, chunks), block) * block
+        return ce_module._LaunchPlan(
+            block=block, chunks=cdiv(vocab, chunk), chunk=chunk, num_warps=4
+        )
 
     monkeypatch.setattr(ce_module, "_launch_plan", plan)
 

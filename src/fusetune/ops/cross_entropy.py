@@ -37,8 +37,15 @@ from fusetune.reference.cross_entropy import cross_entropy as reference_cross_en
 
 
 @triton.jit
-def _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
-                      HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _load_transformed(
+    row_ptr,
+    cols,
+    mask,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
     """Logits at ``cols`` as fp32 after scale and softcap; lanes outside ``mask`` are -inf."""
     z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
@@ -62,9 +69,17 @@ def _block_logsumexp(z, mask, HAS_SMOOTHING: tl.constexpr):
 
 
 @triton.jit
-def _chunk_logsumexp(row_ptr, col_start, col_end, logit_scale, logit_softcap,
-                     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                     HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_logsumexp(
+    row_ptr,
+    col_start,
+    col_end,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Online logsumexp of z over [col_start, col_end), and the sum of z (for smoothing)."""
     running_max = float("-inf")
     sum_exp = 0.0
@@ -72,8 +87,9 @@ def _chunk_logsumexp(row_ptr, col_start, col_end, logit_scale, logit_softcap,
     for start in range(col_start, col_end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < col_end
-        z = _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
-                              HAS_SCALE, HAS_SOFTCAP)
+        z = _load_transformed(
+            row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+        )
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # see _block_logsumexp
         sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
@@ -85,14 +101,29 @@ def _chunk_logsumexp(row_ptr, col_start, col_end, logit_scale, logit_softcap,
 
 
 @triton.jit
-def _token_loss(row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss,
-                logit_scale, logit_softcap,
-                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+def _token_loss(
+    row_ptr,
+    label,
+    vocab,
+    logsumexp,
+    sum_z,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
     """The per-token loss; NaN when the label is outside [0, vocab) (never read out of bounds)."""
     in_range = (label >= 0) & (label < vocab)
     safe_label = tl.where(in_range, label, 0) + tl.arange(0, 1)
-    target = tl.sum(_load_transformed(row_ptr, safe_label, safe_label >= 0, logit_scale,
-                                      logit_softcap, HAS_SCALE, HAS_SOFTCAP), axis=0)
+    target = tl.sum(
+        _load_transformed(
+            row_ptr, safe_label, safe_label >= 0, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+        ),
+        axis=0,
+    )
     loss = logsumexp - (1.0 - label_smoothing) * target + z_loss * logsumexp * logsumexp
     if HAS_SMOOTHING:
         loss -= label_smoothing * sum_z / vocab
@@ -107,8 +138,21 @@ def _grad_weight(grad_weight_ptr, label, vocab):
 
 
 @triton.jit
-def _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss,
-                logit_scale, logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _block_grad(
+    z,
+    cols,
+    mask,
+    label,
+    vocab,
+    logsumexp,
+    grad_weight,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
     """d(grad_weight * loss)/dx for one block, from its transformed logits z."""
     grad = tl.exp(z - logsumexp) * (1.0 + 2.0 * z_loss * logsumexp) - label_smoothing / vocab
     grad -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
@@ -121,10 +165,24 @@ def _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoot
 
 
 @triton.jit
-def _chunk_grad(row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp, grad_weight,
-                label_smoothing, z_loss, logit_scale, logit_softcap,
-                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                REVERSE: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_grad(
+    row_ptr,
+    grad_row_ptr,
+    col_start,
+    col_end,
+    label,
+    vocab,
+    logsumexp,
+    grad_weight,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    REVERSE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Write the gradient over [col_start, col_end), last block first when REVERSE."""
     n_blocks = tl.cdiv(col_end - col_start, BLOCK)
     for i in range(0, n_blocks):
@@ -134,10 +192,24 @@ def _chunk_grad(row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsume
             block = i
         cols = col_start + block * BLOCK + tl.arange(0, BLOCK)
         mask = cols < col_end
-        z = _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
-                              HAS_SCALE, HAS_SOFTCAP)
-        grad = _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing,
-                           z_loss, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP)
+        z = _load_transformed(
+            row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+        )
+        grad = _block_grad(
+            z,
+            cols,
+            mask,
+            label,
+            vocab,
+            logsumexp,
+            grad_weight,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+        )
         tl.store(grad_row_ptr + cols, grad.to(grad_row_ptr.dtype.element_ty), mask=mask)
 
 
@@ -159,11 +231,29 @@ def _row_offset(row, rows_per_batch, stride_batch, stride_row):
 
 @triton.jit
 def _ce_row_kernel(
-    logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, grad_weight_ptr,
-    rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t,
-    vocab, ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    labels_ptr,
+    grad_ptr,
+    loss_ptr,
+    lse_ptr,
+    grad_weight_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    vocab,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD.
     SINGLE_BLOCK (BLOCK >= vocab): the row stays in registers between the two passes."""
@@ -180,36 +270,97 @@ def _ce_row_kernel(
         if SINGLE_BLOCK:
             cols = tl.arange(0, BLOCK)
             mask = cols < vocab
-            z = _load_transformed(row_ptr, cols, mask, logit_scale, logit_softcap,
-                                  HAS_SCALE, HAS_SOFTCAP)
+            z = _load_transformed(
+                row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+            )
             logsumexp, sum_z = _block_logsumexp(z, mask, HAS_SMOOTHING)
         else:
-            logsumexp, sum_z = _chunk_logsumexp(row_ptr, 0, vocab, logit_scale, logit_softcap,
-                                                HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK)
-        loss = _token_loss(row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss,
-                           logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
+            logsumexp, sum_z = _chunk_logsumexp(
+                row_ptr,
+                0,
+                vocab,
+                logit_scale,
+                logit_softcap,
+                HAS_SCALE,
+                HAS_SOFTCAP,
+                HAS_SMOOTHING,
+                BLOCK,
+            )
+        loss = _token_loss(
+            row_ptr,
+            label,
+            vocab,
+            logsumexp,
+            sum_z,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+        )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
         if COMPUTE_GRAD:
             grad_weight = _grad_weight(grad_weight_ptr, label, vocab)
             if SINGLE_BLOCK:
-                grad = _block_grad(z, cols, mask, label, vocab, logsumexp, grad_weight,
-                                   label_smoothing, z_loss, logit_scale, logit_softcap,
-                                   HAS_SCALE, HAS_SOFTCAP)
+                grad = _block_grad(
+                    z,
+                    cols,
+                    mask,
+                    label,
+                    vocab,
+                    logsumexp,
+                    grad_weight,
+                    label_smoothing,
+                    z_loss,
+                    logit_scale,
+                    logit_softcap,
+                    HAS_SCALE,
+                    HAS_SOFTCAP,
+                )
                 tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             else:
                 # Reverse order: the blocks read last by the first pass are still in L2.
-                _chunk_grad(row_ptr, grad_row_ptr, 0, vocab, label, vocab, logsumexp,
-                            grad_weight, label_smoothing, z_loss, logit_scale, logit_softcap,
-                            HAS_SCALE, HAS_SOFTCAP, True, BLOCK)
+                _chunk_grad(
+                    row_ptr,
+                    grad_row_ptr,
+                    0,
+                    vocab,
+                    label,
+                    vocab,
+                    logsumexp,
+                    grad_weight,
+                    label_smoothing,
+                    z_loss,
+                    logit_scale,
+                    logit_softcap,
+                    HAS_SCALE,
+                    HAS_SOFTCAP,
+                    True,
+                    BLOCK,
+                )
 
 
 @triton.jit
 def _ce_partial_kernel(
-    logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr,
-    rows_per_batch, logits_stride_b, logits_stride_t, vocab, chunk, num_chunks, ignore_index,
-    logit_scale, logit_softcap,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    logits_ptr,
+    labels_ptr,
+    partial_lse_ptr,
+    partial_sum_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    vocab,
+    chunk,
+    num_chunks,
+    ignore_index,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): logsumexp and sum of z over one chunk of one row."""
@@ -220,9 +371,17 @@ def _ce_partial_kernel(
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
         col_start = chunk_id * chunk
         col_end = tl.minimum(col_start + chunk, vocab)
-        logsumexp, sum_z = _chunk_logsumexp(row_ptr, col_start, col_end, logit_scale,
-                                            logit_softcap, HAS_SCALE, HAS_SOFTCAP,
-                                            HAS_SMOOTHING, BLOCK)
+        logsumexp, sum_z = _chunk_logsumexp(
+            row_ptr,
+            col_start,
+            col_end,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            BLOCK,
+        )
         slot = row.to(tl.int64) * num_chunks + chunk_id
         tl.store(partial_lse_ptr + slot, logsumexp)
         tl.store(partial_sum_ptr + slot, sum_z)
@@ -230,10 +389,25 @@ def _ce_partial_kernel(
 
 @triton.jit
 def _ce_merge_kernel(
-    logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, loss_ptr, lse_ptr,
-    rows_per_batch, logits_stride_b, logits_stride_t, vocab, num_chunks, ignore_index,
-    label_smoothing, z_loss, logit_scale, logit_softcap,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    logits_ptr,
+    labels_ptr,
+    partial_lse_ptr,
+    partial_sum_ptr,
+    loss_ptr,
+    lse_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    vocab,
+    num_chunks,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
     CHUNKS_BLOCK: tl.constexpr,
 ):
     """One program per row: merge the chunks' partial logsumexps into the row's loss."""
@@ -250,19 +424,47 @@ def _ce_merge_kernel(
         logsumexp, _ = _block_logsumexp(partial_lse, in_row, False)
         sum_z = tl.sum(tl.load(partial_sum_ptr + base + slots, mask=in_row, other=0.0), axis=0)
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
-        loss = _token_loss(row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss,
-                           logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
+        loss = _token_loss(
+            row_ptr,
+            label,
+            vocab,
+            logsumexp,
+            sum_z,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+        )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
 
 
 @triton.jit
 def _ce_grad_kernel(
-    logits_ptr, labels_ptr, lse_ptr, grad_weight_ptr, grad_ptr,
-    rows_per_batch, logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t,
-    grad_weight_stride, vocab, chunk, ignore_index, label_smoothing, z_loss,
-    logit_scale, logit_softcap,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    labels_ptr,
+    lse_ptr,
+    grad_weight_ptr,
+    grad_ptr,
+    rows_per_batch,
+    logits_stride_b,
+    logits_stride_t,
+    grad_stride_b,
+    grad_stride_t,
+    grad_weight_stride,
+    vocab,
+    chunk,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    logit_scale,
+    logit_softcap,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): the gradient of one chunk of one row from the saved logsumexp.
     ``grad_weight`` is one scalar (stride 0) or one value per row (stride 1)."""
@@ -277,14 +479,30 @@ def _ce_grad_kernel(
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
         grad_weight = _grad_weight(grad_weight_ptr + row * grad_weight_stride, label, vocab)
         logsumexp = tl.load(lse_ptr + row)
-        _chunk_grad(row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp,
-                    grad_weight, label_smoothing, z_loss, logit_scale, logit_softcap,
-                    HAS_SCALE, HAS_SOFTCAP, False, BLOCK)
+        _chunk_grad(
+            row_ptr,
+            grad_row_ptr,
+            col_start,
+            col_end,
+            label,
+            vocab,
+            logsumexp,
+            grad_weight,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            False,
+            BLOCK,
+        )
 
 
 @triton.jit
-def _scale_rows_kernel(grad_ptr, factor_ptr, rows_per_batch, stride_b, stride_t, vocab, chunk,
-                       BLOCK: tl.constexpr):
+def _scale_rows_kernel(
+    grad_ptr, factor_ptr, rows_per_batch, stride_b, stride_t, vocab, chunk, BLOCK: tl.constexpr
+):
     """grad *= factor (a 0-dim tensor). Returns at once when factor == 1, the usual case of
     ``loss.backward()``, so that skipping the multiply needs no host sync."""
     factor = tl.load(factor_ptr)
