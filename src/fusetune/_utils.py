@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -72,6 +72,30 @@ def autotune(configs: Sequence[object], key: Sequence[str], **kwargs: object):
                 return launch(grid)
 
         return _FirstConfig()
+
+    return decorate
+
+
+# ----------------------------------------------------------------------------- op registration
+
+_LIBRARY = torch.library.Library("fusetune", "DEF")
+
+
+def register_op(schema: str, fake: Callable) -> Callable:
+    """Register ``fusetune::<schema>`` with one kernel for every device (the implementation
+    dispatches to Triton or the reference itself) and ``fake`` for tracing and
+    torch.compile. Autograd is the caller's (an autograd.Function around the op).
+
+    This is the low-level torch.library API: ``torch.library.custom_op`` measured about
+    0.25 ms of Python per call on the GPU machine, as much as a whole 32k-vocab kernel.
+    """
+
+    def decorate(impl: Callable) -> Callable:
+        name = schema.split("(", 1)[0]
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"fusetune::{name}", fake, lib=_LIBRARY)
+        return getattr(torch.ops.fusetune, name).default
 
     return decorate
 

@@ -688,146 +688,91 @@ def _scale_grad(grad3: torch.Tensor, factor: torch.Tensor, plan: _LaunchPlan) ->
 # ============================================================================ custom ops
 
 
-def _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap) -> _Options:
-    return _Options(
-        int(ignore_index), float(label_smoothing), float(z_loss), logit_scale, logit_softcap
+_OPTION_SCHEMA = (
+    "int ignore_index, float label_smoothing, float z_loss, float? logit_scale, "
+    "float? logit_softcap"
+)
+
+
+def _fake_forward(logits, labels, grad_weight, *options_and_flag):
+    compute_grad = options_and_flag[-1] if len(options_and_flag) == 6 else False
+    n_rows = labels.numel()
+    return (
+        logits.new_empty((n_rows,), dtype=torch.float32),
+        logits.new_empty((n_rows,), dtype=torch.float32),
+        logits.new_empty(logits.shape if compute_grad else (0,)),
     )
 
 
-@torch.library.custom_op("fusetune::cross_entropy_forward", mutates_args=())
-def _forward_op(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    grad_weight: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    logit_scale: float | None,
-    logit_softcap: float | None,
-    compute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss and logsumexp (fp32, [N]); with compute_grad, the logits gradient scaled by
-    grad_weight (0-dim fp32), shaped and typed like logits; else an empty tensor."""
-    options = _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+def _prepare(logits: torch.Tensor, labels: torch.Tensor):
+    """The kernels' view of the inputs, the per-token outputs, and the launch plan."""
     logits3, labels = _as_3d(logits), labels.reshape(-1).contiguous()
     n_rows, device = labels.numel(), logits.device
     loss = _utils.empty((n_rows,), torch.float32, device)
     lse = _utils.empty((n_rows,), torch.float32, device)
-    grad = _utils.empty(logits.shape if compute_grad else (0,), logits.dtype, device)
-    plan = _launch_plan(n_rows, logits.shape[-1], device)
-    if n_rows:  # an empty grid cannot be launched
+    return logits3, labels, loss, lse, _launch_plan(n_rows, logits.shape[-1], device)
+
+
+@_utils.register_op(
+    "cross_entropy_forward(Tensor logits, Tensor labels, Tensor grad_weight, "
+    f"{_OPTION_SCHEMA}, bool compute_grad) -> (Tensor, Tensor, Tensor)",
+    fake=_fake_forward,
+)
+def _forward_op(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss,
+                logit_scale, logit_softcap, compute_grad):
+    """Per-token loss and logsumexp (fp32, [N]); with compute_grad, the logits gradient scaled by
+    grad_weight (0-dim fp32), shaped and typed like logits; else an empty tensor."""
+    options = _Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    logits3, labels, loss, lse, plan = _prepare(logits, labels)
+    grad = _utils.empty(logits.shape if compute_grad else (0,), logits.dtype, logits.device)
+    if labels.numel():  # an empty grid cannot be launched
         grad3 = _as_3d(grad) if compute_grad else None
         _forward_stats(logits3, labels, options, plan, loss, lse, grad3, grad_weight)
     return loss, lse, grad
 
 
-@_forward_op.register_fake
-def _(
-    logits,
-    labels,
-    grad_weight,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    compute_grad,
-):
-    n_rows = labels.numel()
-    grad = logits.new_empty(logits.shape if compute_grad else (0,))
-    return (
-        logits.new_empty((n_rows,), dtype=torch.float32),
-        logits.new_empty((n_rows,), dtype=torch.float32),
-        grad,
-    )
-
-
-@torch.library.custom_op("fusetune::cross_entropy_forward_inplace", mutates_args=("logits",))
-def _forward_inplace_op(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    grad_weight: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    logit_scale: float | None,
-    logit_softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like cross_entropy_forward with compute_grad, but the gradient overwrites ``logits``
-    (which must have a contiguous last dim)."""
-    options = _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
-    logits3, labels = _as_3d(logits), labels.reshape(-1).contiguous()
-    n_rows, device = labels.numel(), logits.device
-    loss = _utils.empty((n_rows,), torch.float32, device)
-    lse = _utils.empty((n_rows,), torch.float32, device)
-    plan = _launch_plan(n_rows, logits.shape[-1], device)
-    # Safe in place: every kernel that writes a gradient block has just read that same block,
-    # and the logsumexp is complete before any block is overwritten.
-    if n_rows:
+@_utils.register_op(
+    "cross_entropy_forward_inplace(Tensor(a!) logits, Tensor labels, Tensor grad_weight, "
+    f"{_OPTION_SCHEMA}) -> (Tensor, Tensor)",
+    fake=lambda *args: _fake_forward(*args)[:2],
+)
+def _forward_inplace_op(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss,
+                        logit_scale, logit_softcap):
+    """cross_entropy_forward with compute_grad, the gradient overwriting ``logits`` (whose last
+    dim must be contiguous). Safe in place: each kernel writes a gradient block right after
+    reading that same block, and only once the row's logsumexp is complete."""
+    options = _Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    logits3, labels, loss, lse, plan = _prepare(logits, labels)
+    if labels.numel():
         _forward_stats(logits3, labels, options, plan, loss, lse, logits3, grad_weight)
     return loss, lse
 
 
-@_forward_inplace_op.register_fake
-def _(
-    logits, labels, grad_weight, ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap
-):
-    n_rows = labels.numel()
-    return logits.new_empty((n_rows,), dtype=torch.float32), logits.new_empty(
-        (n_rows,), dtype=torch.float32
-    )
-
-
-@torch.library.custom_op("fusetune::cross_entropy_backward", mutates_args=())
-def _backward_op(
-    grad_loss: torch.Tensor,
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    logit_scale: float | None,
-    logit_softcap: float | None,
-) -> torch.Tensor:
+@_utils.register_op(
+    "cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, "
+    f"{_OPTION_SCHEMA}) -> Tensor",
+    fake=lambda grad_loss, logits, *rest: logits.new_empty(logits.shape),
+)
+def _backward_op(grad_loss, logits, labels, lse, ignore_index, label_smoothing, z_loss,
+                 logit_scale, logit_softcap):
     """Logits gradient from per-token upstream gradients ``grad_loss`` (fp32 [N] or 0-dim)."""
-    options = _options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
-    logits3, labels = _as_3d(logits), labels.reshape(-1).contiguous()
+    options = _Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    logits3, labels, _, _, plan = _prepare(logits, labels)
     grad = _utils.empty(logits.shape, logits.dtype, logits.device)
-    plan = _launch_plan(labels.numel(), logits.shape[-1], logits.device)
-    grad_weight = grad_loss.to(torch.float32).contiguous()
     if labels.numel():
+        grad_weight = grad_loss.to(torch.float32).contiguous()
         _write_grad(logits3, labels, lse, grad_weight, _as_3d(grad), options, plan)
     return grad
 
 
-@_backward_op.register_fake
-def _(
-    grad_loss,
-    logits,
-    labels,
-    lse,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-):
-    return logits.new_empty(logits.shape)
-
-
-@torch.library.custom_op("fusetune::scale_rows_", mutates_args=("grad",))
-def _scale_op(grad: torch.Tensor, factor: torch.Tensor) -> None:
+@_utils.register_op("scale_rows_(Tensor(a!) grad, Tensor factor) -> ()",
+                    fake=lambda grad, factor: None)
+def _scale_op(grad, factor):
     """grad *= factor (0-dim), skipped on the device when factor == 1."""
     grad3 = _as_3d(grad)
     plan = _launch_plan(grad3.shape[0] * grad3.shape[1], grad.shape[-1], grad.device)
     if grad.numel():
         _scale_grad(grad3, factor.to(torch.float32), plan)
-
-
-@_scale_op.register_fake
-def _(grad, factor):
-    return None
 
 
 # ============================================================================ autograd
@@ -858,6 +803,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if fused and inplace_backward:
             loss, lse = _forward_inplace_op(logits, labels, inv_denominator, *op_args)
             grad = logits
+            if not torch.compiler.is_compiling():
+                # Another autograd node that saved these logits must now fail loudly.
+                torch.autograd.graph.increment_version(logits)
         else:
             loss, lse, grad = _forward_op(logits, labels, inv_denominator, *op_args, fused)
         if reduction != "none":
