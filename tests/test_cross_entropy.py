@@ -83,9 +83,9 @@ def force_launch(monkeypatch, chunks: int, block: int = 128) -> None:
 
     def plan(n_rows, vocab, device):
         chunk = cdiv(cdiv(vocab, chunks), block) * block
-        # 3 programs walk all rows when unsplit, so the row loop runs more than once each
-        return ce_module._LaunchPlan(block=block, chunks=cdiv(vocab, chunk), chunk=chunk,
-                                     num_warps=4, row_programs=min(n_rows, 3))
+        return ce_module._LaunchPlan(
+            block=block, chunks=cdiv(vocab, chunk), chunk=chunk, num_warps=4
+        )
 
     monkeypatch.setattr(ce_module, "_launch_plan", plan)
 

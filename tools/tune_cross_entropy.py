@@ -43,7 +43,14 @@ def sweep(name: str, values: dict, vocabs: list[int]) -> None:
 
 if __name__ == "__main__":
     print("columns: vocab x softcap(None, 30) for each vocab listed")
-    sweep("multi", {"ROW_PROGRAMS_PER_SM": [0, 4, 8], "BLOCK": [8192, 16384],
-                    "WARPS": [16, 32], "SINGLE_BLOCK_MAX": [0]}, [128256, 262144])
-    sweep("single", {"ROW_PROGRAMS_PER_SM": [0, 2, 4, 8], "SINGLE_BLOCK_MAX": [32768],
-                     "SINGLE_BLOCK_WARPS": [16, 32]}, [32000])
+    sweep(
+        "multi",
+        {"BLOCK": [2048, 4096, 8192, 16384], "WARPS": [4, 8, 16], "SINGLE_BLOCK_MAX": [0]},
+        [128256, 262144],
+    )
+    sweep("single", {"SINGLE_BLOCK_MAX": [32768], "SINGLE_BLOCK_WARPS": [8, 16, 32]}, [32000])
+    sweep(
+        "small-multi",
+        {"SINGLE_BLOCK_MAX": [0], "BLOCK": [2048, 4096, 8192], "WARPS": [4, 8, 16]},
+        [32000],
+    )
