@@ -33,6 +33,7 @@ from fusetune.reference.cross_entropy import (
 from fusetune.reference.cross_entropy import cross_entropy as reference_cross_entropy
 
 # ============================================================================ kernels
+# fmt: off  (kernel signatures stay one argument group per line, as the launchers pass them)
 
 
 @triton.jit
@@ -223,7 +224,7 @@ def _chunk_zero(grad_row_ptr, col_start, col_end, BLOCK: tl.constexpr):
 @triton.jit
 def _row_offset(row, rows_per_batch, stride_batch, stride_row):
     """int64 element offset of flat row ``row`` in a [B, T, V] tensor with the given strides."""
-    row = tl.cast(row, tl.int64)  # a plain int in the interpreter's row loop
+    row = row.to(tl.int64)
     batch = row // rows_per_batch
     return batch * stride_batch + (row - batch * rows_per_batch) * stride_row
 
@@ -236,7 +237,6 @@ def _ce_row_kernel(
     loss_ptr,
     lse_ptr,
     grad_weight_ptr,
-    n_rows,
     rows_per_batch,
     logits_stride_b,
     logits_stride_t,
@@ -256,93 +256,91 @@ def _ce_row_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD.
-    SINGLE_BLOCK (BLOCK >= vocab): the row stays in registers between the two passes.
-    Programs loop over rows: a grid of a few programs per SM keeps the rows in flight few
-    enough that the gradient pass re-reads them from L2."""
-    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        label = tl.load(labels_ptr + row)
-        row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
-        grad_row_ptr = grad_ptr + _row_offset(row, rows_per_batch, grad_stride_b, grad_stride_t)
-        if label == ignore_index:
-            tl.store(loss_ptr + row, 0.0)
-            tl.store(lse_ptr + row, 0.0)
-            if COMPUTE_GRAD:
-                _chunk_zero(grad_row_ptr, 0, vocab, BLOCK)
+    SINGLE_BLOCK (BLOCK >= vocab): the row stays in registers between the two passes."""
+    row = tl.program_id(0)
+    label = tl.load(labels_ptr + row)
+    row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
+    grad_row_ptr = grad_ptr + _row_offset(row, rows_per_batch, grad_stride_b, grad_stride_t)
+    if label == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            _chunk_zero(grad_row_ptr, 0, vocab, BLOCK)
+    else:
+        if SINGLE_BLOCK:
+            cols = tl.arange(0, BLOCK)
+            mask = cols < vocab
+            z = _load_transformed(
+                row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
+            )
+            logsumexp, sum_z = _block_logsumexp(z, mask, HAS_SMOOTHING)
         else:
-            if SINGLE_BLOCK:
-                cols = tl.arange(0, BLOCK)
-                mask = cols < vocab
-                z = _load_transformed(
-                    row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
-                )
-                logsumexp, sum_z = _block_logsumexp(z, mask, HAS_SMOOTHING)
-            else:
-                logsumexp, sum_z = _chunk_logsumexp(
-                    row_ptr,
-                    0,
-                    vocab,
-                    logit_scale,
-                    logit_softcap,
-                    HAS_SCALE,
-                    HAS_SOFTCAP,
-                    HAS_SMOOTHING,
-                    BLOCK,
-                )
-            loss = _token_loss(
+            logsumexp, sum_z = _chunk_logsumexp(
                 row_ptr,
-                label,
+                0,
                 vocab,
-                logsumexp,
-                sum_z,
-                label_smoothing,
-                z_loss,
                 logit_scale,
                 logit_softcap,
                 HAS_SCALE,
                 HAS_SOFTCAP,
                 HAS_SMOOTHING,
+                BLOCK,
             )
-            tl.store(loss_ptr + row, loss)
-            tl.store(lse_ptr + row, logsumexp)
-            if COMPUTE_GRAD:
-                grad_weight = _grad_weight(grad_weight_ptr, label, vocab)
-                if SINGLE_BLOCK:
-                    grad = _block_grad(
-                        z,
-                        cols,
-                        mask,
-                        label,
-                        vocab,
-                        logsumexp,
-                        grad_weight,
-                        label_smoothing,
-                        z_loss,
-                        logit_scale,
-                        logit_softcap,
-                        HAS_SCALE,
-                        HAS_SOFTCAP,
-                    )
-                    tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
-                else:
-                    # Reverse order: the blocks read last by the first pass are still in L2.
-                    _chunk_grad(
-                        row_ptr,
-                        grad_row_ptr,
-                        0,
-                        vocab,
-                        label,
-                        vocab,
-                        logsumexp,
-                        grad_weight,
-                        label_smoothing,
-                        z_loss,
-                        logit_scale,
-                        logit_softcap,
-                        HAS_SCALE,
-                        HAS_SOFTCAP,
-                        True,
-                        BLOCK,
-                    )
+        loss = _token_loss(
+            row_ptr,
+            label,
+            vocab,
+            logsumexp,
+            sum_z,
+            label_smoothing,
+            z_loss,
+            logit_scale,
+            logit_softcap,
+            HAS_SCALE,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+        )
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, logsumexp)
+        if COMPUTE_GRAD:
+            grad_weight = _grad_weight(grad_weight_ptr, label, vocab)
+            if SINGLE_BLOCK:
+                grad = _block_grad(
+                    z,
+                    cols,
+                    mask,
+                    label,
+                    vocab,
+                    logsumexp,
+                    grad_weight,
+                    label_smoothing,
+                    z_loss,
+                    logit_scale,
+                    logit_softcap,
+                    HAS_SCALE,
+                    HAS_SOFTCAP,
+                )
+                tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            else:
+                # Reverse order: the blocks read last by the first pass are still in L2.
+                _chunk_grad(
+                    row_ptr,
+                    grad_row_ptr,
+                    0,
+                    vocab,
+                    label,
+                    vocab,
+                    logsumexp,
+                    grad_weight,
+                    label_smoothing,
+                    z_loss,
+                    logit_scale,
+                    logit_softcap,
+                    HAS_SCALE,
+                    HAS_SOFTCAP,
+                    True,
+                    BLOCK,
+                )
 
 
 @triton.jit
@@ -520,6 +518,7 @@ def _scale_rows_kernel(
             tl.store(row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+# fmt: on
 
 
 # ============================================================================ host launchers
@@ -548,7 +547,6 @@ class _LaunchPlan:
     chunks: int  # programs per row
     chunk: int  # columns per program (a multiple of block)
     num_warps: int
-    row_programs: int = 0  # grid of the one-program-per-row kernel (0: one per row)
 
 
 # Launch constants, measured on an H100 (tools/tune_cross_entropy.py; numbers in NOTES.md).
@@ -556,7 +554,6 @@ BLOCK = 4096  # columns a program handles per step when a row takes several step
 WARPS = 8
 SINGLE_BLOCK_MAX = 32768  # rows up to this long are held in registers in one step
 SINGLE_BLOCK_WARPS = 16
-ROW_PROGRAMS_PER_SM = 2  # row-kernel programs per SM: bounds the rows in flight (L2 reuse)
 INTERPRETER_BLOCK = 256  # small, so that CPU tests with small vocabularies still loop and split
 
 
@@ -575,9 +572,7 @@ def _launch_plan(n_rows: int, vocab: int, device: torch.device) -> _LaunchPlan:
     if n_rows < 2 * programs:
         chunks = max(1, min(_utils.cdiv(4 * programs, max(n_rows, 1)), vocab // (2 * block)))
     chunk = _utils.cdiv(_utils.cdiv(vocab, chunks), block) * block
-    row_programs = min(n_rows, ROW_PROGRAMS_PER_SM * programs) if ROW_PROGRAMS_PER_SM else 0
-    return _LaunchPlan(block=block, chunks=_utils.cdiv(vocab, chunk), chunk=chunk,
-                       num_warps=warps, row_programs=row_programs)
+    return _LaunchPlan(block=block, chunks=_utils.cdiv(vocab, chunk), chunk=chunk, num_warps=warps)
 
 
 def _as_3d(logits: torch.Tensor) -> torch.Tensor:
@@ -598,14 +593,13 @@ def _forward_stats(logits3, labels, options, plan, loss, lse, grad3=None, grad_w
     common = dict(vocab=vocab, ignore_index=options.ignore_index)
     if plan.chunks == 1:
         grad_target = grad3 if grad3 is not None else logits3
-        _ce_row_kernel[(plan.row_programs or n_rows,)](
+        _ce_row_kernel[(n_rows,)](
             logits3,
             labels,
             grad_target,
             loss,
             lse,
             grad_weight if grad_weight is not None else lse,
-            n_rows,
             *_row_args(logits3),
             grad_target.stride(0),
             grad_target.stride(1),
