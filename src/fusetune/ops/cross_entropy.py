@@ -26,10 +26,7 @@ import torch
 
 from fusetune import _utils
 from fusetune._triton import tanh, tl, triton
-from fusetune.reference.cross_entropy import (
-    check_cross_entropy_args,
-    check_labels_in_range,
-)
+from fusetune.reference.cross_entropy import check_cross_entropy_args, check_labels_in_range
 from fusetune.reference.cross_entropy import cross_entropy as reference_cross_entropy
 
 # ============================================================================ kernels
@@ -37,12 +34,7 @@ from fusetune.reference.cross_entropy import cross_entropy as reference_cross_en
 
 @triton.jit
 def _load_transformed(
-    row_ptr,
-    cols,
-    mask,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
+    row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     """Logits at ``cols`` as fp32 after scale and softcap; lanes outside ``mask`` are -inf."""
@@ -69,15 +61,8 @@ def _block_logsumexp(z, mask, HAS_SMOOTHING: tl.constexpr):
 
 @triton.jit
 def _chunk_logsumexp(
-    row_ptr,
-    col_start,
-    col_end,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    BLOCK: tl.constexpr,
+    row_ptr, col_start, col_end, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Online logsumexp of z over [col_start, col_end), and the sum of z (for smoothing)."""
     running_max = float("-inf")
@@ -101,18 +86,8 @@ def _chunk_logsumexp(
 
 @triton.jit
 def _token_loss(
-    row_ptr,
-    label,
-    vocab,
-    logsumexp,
-    sum_z,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
+    row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss, logit_scale, logit_softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
 ):
     """The per-token loss; NaN when the label is outside [0, vocab) (never read out of bounds)."""
     in_range = (label >= 0) & (label < vocab)
@@ -138,19 +113,8 @@ def _grad_weight(grad_weight_ptr, label, vocab):
 
 @triton.jit
 def _block_grad(
-    z,
-    cols,
-    mask,
-    label,
-    vocab,
-    logsumexp,
-    grad_weight,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss, logit_scale,
+    logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """d(grad_weight * loss)/dx for one block, from its transformed logits z."""
     grad = tl.exp(z - logsumexp) * (1.0 + 2.0 * z_loss * logsumexp) - label_smoothing / vocab
@@ -165,22 +129,9 @@ def _block_grad(
 
 @triton.jit
 def _chunk_grad(
-    row_ptr,
-    grad_row_ptr,
-    col_start,
-    col_end,
-    label,
-    vocab,
-    logsumexp,
-    grad_weight,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    REVERSE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp, grad_weight,
+    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Write the gradient over [col_start, col_end), last block first when REVERSE."""
     n_blocks = tl.cdiv(col_end - col_start, BLOCK)
@@ -195,19 +146,8 @@ def _chunk_grad(
             row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
         )
         grad = _block_grad(
-            z,
-            cols,
-            mask,
-            label,
-            vocab,
-            logsumexp,
-            grad_weight,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
+            z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss,
+            logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
         )
         tl.store(grad_row_ptr + cols, grad.to(grad_row_ptr.dtype.element_ty), mask=mask)
 
@@ -230,29 +170,11 @@ def _row_offset(row, rows_per_batch, stride_batch, stride_row):
 
 @triton.jit
 def _ce_row_kernel(
-    logits_ptr,
-    labels_ptr,
-    grad_ptr,
-    loss_ptr,
-    lse_ptr,
-    grad_weight_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    vocab,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr,
+    logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, grad_weight_ptr, rows_per_batch,
+    logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t, vocab, ignore_index,
+    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD.
     SINGLE_BLOCK (BLOCK >= vocab): the row stays in registers between the two passes."""
@@ -275,29 +197,12 @@ def _ce_row_kernel(
             logsumexp, sum_z = _block_logsumexp(z, mask, HAS_SMOOTHING)
         else:
             logsumexp, sum_z = _chunk_logsumexp(
-                row_ptr,
-                0,
-                vocab,
-                logit_scale,
-                logit_softcap,
-                HAS_SCALE,
-                HAS_SOFTCAP,
-                HAS_SMOOTHING,
-                BLOCK,
+                row_ptr, 0, vocab, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
+                HAS_SMOOTHING, BLOCK,
             )
         loss = _token_loss(
-            row_ptr,
-            label,
-            vocab,
-            logsumexp,
-            sum_z,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
+            row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss, logit_scale,
+            logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING,
         )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
@@ -305,61 +210,24 @@ def _ce_row_kernel(
             grad_weight = _grad_weight(grad_weight_ptr, label, vocab)
             if SINGLE_BLOCK:
                 grad = _block_grad(
-                    z,
-                    cols,
-                    mask,
-                    label,
-                    vocab,
-                    logsumexp,
-                    grad_weight,
-                    label_smoothing,
-                    z_loss,
-                    logit_scale,
-                    logit_softcap,
-                    HAS_SCALE,
-                    HAS_SOFTCAP,
+                    z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss,
+                    logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
                 )
                 tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             else:
                 # Reverse order: the blocks read last by the first pass are still in L2.
                 _chunk_grad(
-                    row_ptr,
-                    grad_row_ptr,
-                    0,
-                    vocab,
-                    label,
-                    vocab,
-                    logsumexp,
-                    grad_weight,
-                    label_smoothing,
-                    z_loss,
-                    logit_scale,
-                    logit_softcap,
-                    HAS_SCALE,
-                    HAS_SOFTCAP,
-                    True,
-                    BLOCK,
+                    row_ptr, grad_row_ptr, 0, vocab, label, vocab, logsumexp, grad_weight,
+                    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
+                    True, BLOCK,
                 )
 
 
 @triton.jit
 def _ce_partial_kernel(
-    logits_ptr,
-    labels_ptr,
-    partial_lse_ptr,
-    partial_sum_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    vocab,
-    chunk,
-    num_chunks,
-    ignore_index,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
+    logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, rows_per_batch, logits_stride_b,
+    logits_stride_t, vocab, chunk, num_chunks, ignore_index, logit_scale, logit_softcap,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): logsumexp and sum of z over one chunk of one row."""
@@ -371,15 +239,8 @@ def _ce_partial_kernel(
         col_start = chunk_id * chunk
         col_end = tl.minimum(col_start + chunk, vocab)
         logsumexp, sum_z = _chunk_logsumexp(
-            row_ptr,
-            col_start,
-            col_end,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
-            BLOCK,
+            row_ptr, col_start, col_end, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
+            HAS_SMOOTHING, BLOCK,
         )
         slot = row.to(tl.int64) * num_chunks + chunk_id
         tl.store(partial_lse_ptr + slot, logsumexp)
@@ -388,26 +249,10 @@ def _ce_partial_kernel(
 
 @triton.jit
 def _ce_merge_kernel(
-    logits_ptr,
-    labels_ptr,
-    partial_lse_ptr,
-    partial_sum_ptr,
-    loss_ptr,
-    lse_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    vocab,
-    num_chunks,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    CHUNKS_BLOCK: tl.constexpr,
+    logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, loss_ptr, lse_ptr, rows_per_batch,
+    logits_stride_b, logits_stride_t, vocab, num_chunks, ignore_index, label_smoothing, z_loss,
+    logit_scale, logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
 ):
     """One program per row: merge the chunks' partial logsumexps into the row's loss."""
     row = tl.program_id(0)
@@ -424,18 +269,8 @@ def _ce_merge_kernel(
         sum_z = tl.sum(tl.load(partial_sum_ptr + base + slots, mask=in_row, other=0.0), axis=0)
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
         loss = _token_loss(
-            row_ptr,
-            label,
-            vocab,
-            logsumexp,
-            sum_z,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            HAS_SMOOTHING,
+            row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss, logit_scale,
+            logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING,
         )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
@@ -443,27 +278,10 @@ def _ce_merge_kernel(
 
 @triton.jit
 def _ce_grad_kernel(
-    logits_ptr,
-    labels_ptr,
-    lse_ptr,
-    grad_weight_ptr,
-    grad_ptr,
-    rows_per_batch,
-    logits_stride_b,
-    logits_stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    grad_weight_stride,
-    vocab,
-    chunk,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    logit_scale,
-    logit_softcap,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    logits_ptr, labels_ptr, lse_ptr, grad_weight_ptr, grad_ptr, rows_per_batch, logits_stride_b,
+    logits_stride_t, grad_stride_b, grad_stride_t, grad_weight_stride, vocab, chunk, ignore_index,
+    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): the gradient of one chunk of one row from the saved logsumexp.
     ``grad_weight`` is one scalar (stride 0) or one value per row (stride 1)."""
@@ -479,21 +297,8 @@ def _ce_grad_kernel(
         grad_weight = _grad_weight(grad_weight_ptr + row * grad_weight_stride, label, vocab)
         logsumexp = tl.load(lse_ptr + row)
         _chunk_grad(
-            row_ptr,
-            grad_row_ptr,
-            col_start,
-            col_end,
-            label,
-            vocab,
-            logsumexp,
-            grad_weight,
-            label_smoothing,
-            z_loss,
-            logit_scale,
-            logit_softcap,
-            HAS_SCALE,
-            HAS_SOFTCAP,
-            False,
+            row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp, grad_weight,
+            label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP, False,
             BLOCK,
         )
 
@@ -534,8 +339,7 @@ class _Options:
         return dict(
             logit_scale=1.0 if self.logit_scale is None else self.logit_scale,
             logit_softcap=1.0 if self.logit_softcap is None else self.logit_softcap,
-            HAS_SCALE=self.logit_scale is not None,
-            HAS_SOFTCAP=self.logit_softcap is not None,
+            HAS_SCALE=self.logit_scale is not None, HAS_SOFTCAP=self.logit_softcap is not None,
         )
 
 
@@ -592,55 +396,24 @@ def _forward_stats(logits3, labels, options, plan, loss, lse, grad3=None, grad_w
     if plan.chunks == 1:
         grad_target = grad3 if grad3 is not None else logits3
         _ce_row_kernel[(n_rows,)](
-            logits3,
-            labels,
-            grad_target,
-            loss,
-            lse,
-            grad_weight if grad_weight is not None else lse,
-            *_row_args(logits3),
-            grad_target.stride(0),
-            grad_target.stride(1),
-            label_smoothing=options.label_smoothing,
-            z_loss=options.z_loss,
-            COMPUTE_GRAD=grad3 is not None,
-            SINGLE_BLOCK=plan.block >= vocab,
-            BLOCK=plan.block,
-            num_warps=plan.num_warps,
-            **common,
+            logits3, labels, grad_target, loss, lse,
+            grad_weight if grad_weight is not None else lse, *_row_args(logits3),
+            grad_target.stride(0), grad_target.stride(1), label_smoothing=options.label_smoothing,
+            z_loss=options.z_loss, COMPUTE_GRAD=grad3 is not None,
+            SINGLE_BLOCK=plan.block >= vocab, BLOCK=plan.block, num_warps=plan.num_warps, **common,
             **flags,
         )
         return
     partial_lse = _utils.empty((n_rows, plan.chunks), torch.float32, logits3.device)
     partial_sum = _utils.empty((n_rows, plan.chunks), torch.float32, logits3.device)
     _ce_partial_kernel[(n_rows, plan.chunks)](
-        logits3,
-        labels,
-        partial_lse,
-        partial_sum,
-        *_row_args(logits3),
-        chunk=plan.chunk,
-        num_chunks=plan.chunks,
-        BLOCK=plan.block,
-        num_warps=plan.num_warps,
-        **common,
-        **flags,
+        logits3, labels, partial_lse, partial_sum, *_row_args(logits3), chunk=plan.chunk,
+        num_chunks=plan.chunks, BLOCK=plan.block, num_warps=plan.num_warps, **common, **flags,
     )
     _ce_merge_kernel[(n_rows,)](
-        logits3,
-        labels,
-        partial_lse,
-        partial_sum,
-        loss,
-        lse,
-        *_row_args(logits3),
-        num_chunks=plan.chunks,
-        label_smoothing=options.label_smoothing,
-        z_loss=options.z_loss,
-        CHUNKS_BLOCK=_utils.next_power_of_2(plan.chunks),
-        num_warps=1,
-        **common,
-        **flags,
+        logits3, labels, partial_lse, partial_sum, loss, lse, *_row_args(logits3),
+        num_chunks=plan.chunks, label_smoothing=options.label_smoothing, z_loss=options.z_loss,
+        CHUNKS_BLOCK=_utils.next_power_of_2(plan.chunks), num_warps=1, **common, **flags,
     )
     if grad3 is not None:
         _write_grad(logits3, labels, lse, grad_weight, grad3, options, plan)
@@ -650,36 +423,19 @@ def _write_grad(logits3, labels, lse, grad_weight, grad3, options, plan):
     """grad3 = d(sum_i grad_weight_i * loss_i)/dlogits, grad_weight 0-dim or one per row."""
     n_rows = labels.numel()
     _ce_grad_kernel[(n_rows, plan.chunks)](
-        logits3,
-        labels,
-        lse,
-        grad_weight,
-        grad3,
-        *_row_args(logits3),
-        grad3.stride(0),
-        grad3.stride(1),
-        grad_weight_stride=1 if grad_weight.dim() else 0,
-        vocab=logits3.shape[-1],
-        chunk=plan.chunk,
-        ignore_index=options.ignore_index,
-        label_smoothing=options.label_smoothing,
-        z_loss=options.z_loss,
-        BLOCK=plan.block,
-        num_warps=plan.num_warps,
-        **options.kernel_args(),
+        logits3, labels, lse, grad_weight, grad3, *_row_args(logits3), grad3.stride(0),
+        grad3.stride(1), grad_weight_stride=1 if grad_weight.dim() else 0, vocab=logits3.shape[-1],
+        chunk=plan.chunk, ignore_index=options.ignore_index,
+        label_smoothing=options.label_smoothing, z_loss=options.z_loss, BLOCK=plan.block,
+        num_warps=plan.num_warps, **options.kernel_args(),
     )
 
 
 def _scale_grad(grad3: torch.Tensor, factor: torch.Tensor, plan: _LaunchPlan) -> None:
     n_rows = grad3.shape[0] * grad3.shape[1]
     _scale_rows_kernel[(n_rows, plan.chunks)](
-        grad3,
-        factor,
-        *_row_args(grad3),
-        vocab=grad3.shape[-1],
-        chunk=plan.chunk,
-        BLOCK=plan.block,
-        num_warps=plan.num_warps,
+        grad3, factor, *_row_args(grad3), vocab=grad3.shape[-1], chunk=plan.chunk,
+        BLOCK=plan.block, num_warps=plan.num_warps,
     )
 
 
@@ -781,17 +537,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        logits,
-        labels,
-        inv_denominator,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        logit_scale,
-        logit_softcap,
-        reduction,
-        inplace_backward,
+        ctx, logits, labels, inv_denominator, ignore_index, label_smoothing, z_loss, logit_scale,
+        logit_softcap, reduction, inplace_backward,
     ):
         op_args = (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
         needs_grad = ctx.needs_input_grad[0]
@@ -836,17 +583,10 @@ def _optional_float(value: float | None) -> float | None:
 
 
 def cross_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    logit_softcap: float | None = None,
-    logit_scale: float | None = None,
-    z_loss: float = 0.0,
-    num_items: float | torch.Tensor | None = None,
-    return_z_loss: bool = False,
+    logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+    reduction: str = "mean", label_smoothing: float = 0.0, logit_softcap: float | None = None,
+    logit_scale: float | None = None, z_loss: float = 0.0,
+    num_items: float | torch.Tensor | None = None, return_z_loss: bool = False,
     inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``logits`` against integer ``labels``, fused forward and backward.
@@ -886,28 +626,15 @@ def cross_entropy(
     gradient come out NaN, so the error shows in the loss without a host sync.
     """
     check_cross_entropy_args(
-        logits,
-        labels,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        logit_softcap=logit_softcap,
-        logit_scale=logit_scale,
-        z_loss=z_loss,
-        num_items=num_items,
+        logits, labels, reduction=reduction, label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap, logit_scale=logit_scale, z_loss=z_loss, num_items=num_items,
         inplace_backward=inplace_backward,
     )
     if _utils.backend(logits) == "reference":
         return reference_cross_entropy(
-            logits,
-            labels,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            logit_softcap=logit_softcap,
-            logit_scale=logit_scale,
-            z_loss=z_loss,
-            num_items=num_items,
-            return_z_loss=return_z_loss,
+            logits, labels, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, logit_softcap=logit_softcap, logit_scale=logit_scale,
+            z_loss=z_loss, num_items=num_items, return_z_loss=return_z_loss,
         )
     if logits.device.type == "cpu" and not torch.compiler.is_compiling():
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
@@ -924,16 +651,8 @@ def cross_entropy(
     inv_denominator = denominator.reciprocal()
 
     loss, lse = _CrossEntropyFunction.apply(
-        logits,
-        labels,
-        inv_denominator,
-        int(ignore_index),
-        float(label_smoothing),
-        float(z_loss),
-        _optional_float(logit_scale),
-        _optional_float(logit_softcap),
-        reduction,
-        inplace_backward,
+        logits, labels, inv_denominator, int(ignore_index), float(label_smoothing), float(z_loss),
+        _optional_float(logit_scale), _optional_float(logit_softcap), reduction, inplace_backward,
     )
     if reduction == "none":
         loss = loss.view(labels.shape)
