@@ -448,8 +448,8 @@ _OPTION_SCHEMA = (
 )
 
 
-def _fake_forward(logits, labels, grad_weight, *options_and_flag):
-    compute_grad = options_and_flag[-1] if len(options_and_flag) == 6 else False
+def _fake_forward(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss,
+                  logit_scale, logit_softcap, compute_grad=False):
     n_rows = labels.numel()
     return (
         logits.new_empty((n_rows,), dtype=torch.float32),
