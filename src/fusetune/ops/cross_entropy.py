@@ -42,7 +42,7 @@ def _load_transformed(
     if HAS_SCALE:
         z = z * logit_scale
     if HAS_SOFTCAP:
-        z = logit_softcap * tanh(z / logit_softcap)
+        z = logit_softcap * tanh(z * (1.0 / logit_softcap))  # a multiply, not a divide, per lane
     return tl.where(mask, z, float("-inf"))
 
 
@@ -120,7 +120,7 @@ def _block_grad(
     grad = tl.exp(z - logsumexp) * (1.0 + 2.0 * z_loss * logsumexp) - label_smoothing / vocab
     grad -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
     if HAS_SOFTCAP:
-        capped = tl.where(mask, z / logit_softcap, 0.0)  # z is -inf off the row: keep it out
+        capped = tl.where(mask, z * (1.0 / logit_softcap), 0.0)  # z is -inf off the row
         grad *= 1.0 - capped * capped
     if HAS_SCALE:
         grad *= logit_scale
