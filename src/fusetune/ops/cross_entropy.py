@@ -608,8 +608,9 @@ def cross_entropy(
         return_z_loss: also return the z-loss term alone (detached, same reduction) for logging.
         inplace_backward: write the gradient into ``logits``' storage during the forward (saves
             a buffer the size of the logits). Safe only when nothing reads ``logits`` after this
-            call: not you, and no other autograd node that saved them (autograd raises if one
-            did, since the op bumps their version counter). Needs reduction "mean" or "sum".
+            call: not you, and no other autograd node that saved them (in eager mode autograd
+            raises if one did: the logits' version counter is bumped; under torch.compile
+            that check is Dynamo's). Needs reduction "mean" or "sum".
 
     Returns:
         the loss (fp32; 0-dim, or shaped like labels with reduction "none"), and with
