@@ -1,0 +1,365 @@
+"""Fused RMSNorm, and residual-add + RMSNorm, forward and backward.
+
+    h = x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps),  y = h * (offset + w)
+    dx = rstd * (dh - h * mean(dh * h)),  dh = dy * (offset + w)
+    dw = sum over rows of dy * h          (h as rounded by the casting mode)
+
+Forward: one program per tile of rows (a whole row held in registers), which reads x (and the
+residual) once and writes y (and the new residual) and the per-row rstd (fp32).
+Backward: a fixed number of programs, each looping over row tiles; each writes dx for its rows
+and keeps its share of dw in fp32 registers, then stores it to its row of a [programs, H] fp32
+buffer; one column sum (torch, deterministic) reduces those partials. No atomics: results are
+bit-for-bit reproducible for a given device.
+
+Layout: kernels, host launchers, custom ops, the autograd Function, the public functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusetune import _utils
+from fusetune._triton import tl, triton
+from fusetune.reference import rms_norm as reference
+
+LLAMA, GEMMA, NONE = 0, 1, 2
+_CASTING_CODES = {"llama": LLAMA, "gemma": GEMMA, "none": NONE}
+# A whole row lives in registers: beyond this the kernels would spill heavily.
+MAX_HIDDEN = 65536
+
+# ============================================================================ kernels
+
+
+@triton.jit
+def _round_to(value, dtype: tl.constexpr):
+    """fp32 ``value`` rounded to ``dtype`` and back (a no-op for fp32)."""
+    return value.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _scale(weight_ptr, cols, col_mask, offset, x_dtype: tl.constexpr, CASTING: tl.constexpr):
+    """offset + w in fp32 (rounded to x's dtype in "none" mode)."""
+    scale = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if CASTING == 2:
+        scale = _round_to(scale, x_dtype)
+    return scale
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, rstd_ptr, n_rows, n_cols,
+    x_stride, residual_stride, out_stride, new_residual_stride, eps, offset,
+    CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """One tile of BLOCK_ROWS whole rows. With HAS_RESIDUAL the normalised input is
+    x + residual, rounded to new_residual's dtype and stored first."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual_offsets = rows64 * residual_stride + cols[None, :]
+        x += tl.load(residual_ptr + residual_offsets, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(new_residual_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + rows64 * new_residual_stride + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
+    out_dtype = out_ptr.dtype.element_ty
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if CASTING == 2:
+        rstd = _round_to(rstd, out_dtype)
+    h = x * rstd[:, None]
+    if CASTING != 1:  # llama and none round the normalised value before the weight multiply
+        h = _round_to(h, out_dtype)
+    scale = _scale(weight_ptr, cols, col_mask, offset, out_dtype, CASTING)
+    y = h * scale[None, :]
+    tl.store(out_ptr + rows64 * out_stride + cols[None, :], y.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    grad_out_ptr, grad_residual_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, partial_ptr,
+    n_rows, n_cols, grad_out_stride, grad_residual_stride, x_stride, grad_x_stride, offset,
+    CASTING: tl.constexpr, HAS_GRAD_RESIDUAL: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    """Programs loop over row tiles (tile, tile + programs, ...): dx for each, and this
+    program's partial dw (fp32) stored to ``partial_ptr[program]`` at the end. With
+    HAS_GRAD_RESIDUAL the gradient arriving at the new residual is added to dx."""
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    x_dtype = x_ptr.dtype.element_ty
+    scale = _scale(weight_ptr, cols, col_mask, offset, x_dtype, CASTING)
+    grad_weight = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = tl.cast(rows, tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * x_stride + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        dy = tl.load(grad_out_ptr + rows64 * grad_out_stride + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        h = x * rstd[:, None]
+        if WEIGHT_GRAD:
+            h_used = h
+            if CASTING == 2:
+                h_used = x * _round_to(rstd, x_dtype)[:, None]
+            if CASTING != 1:
+                h_used = _round_to(h_used, x_dtype)
+            grad_weight += tl.sum(dy * h_used, axis=0)
+        dh = dy * scale[None, :]
+        dx = rstd[:, None] * (dh - h * (tl.sum(dh * h, axis=1) / n_cols)[:, None])
+        if HAS_GRAD_RESIDUAL:
+            dres_offsets = rows64 * grad_residual_stride + cols[None, :]
+            dx += tl.load(grad_residual_ptr + dres_offsets, mask=mask, other=0.0).to(tl.float32)
+        dx_offsets = rows64 * grad_x_stride + cols[None, :]
+        tl.store(grad_x_ptr + dx_offsets, dx.to(grad_x_ptr.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(partial_ptr + program * n_cols + cols, grad_weight, mask=col_mask)
+
+
+# ============================================================================ host launchers
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    block_rows: int
+    block_cols: int
+    num_warps: int
+
+
+# Elements a tile should hold (rows x padded hidden): enough work per program for short rows.
+TILE_ELEMENTS = 4096
+# Backward programs per SM (each keeps a [H] fp32 partial of dw in registers).
+BACKWARD_PROGRAMS_PER_SM = 4
+
+
+def _launch_plan(n_cols: int) -> _LaunchPlan:
+    block_cols = _utils.next_power_of_2(n_cols)
+    block_rows = max(1, min(64, TILE_ELEMENTS // block_cols))
+    # About 16 fp32 elements per thread per tensor, 1 to 32 warps.
+    warps = max(1, min(32, block_rows * block_cols // 512))
+    return _LaunchPlan(block_rows, block_cols, _utils.next_power_of_2(warps))
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[rows, H] view with a unit column stride (a copy only when no such view exists)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dims that do not collapse to one row stride
+        return t.contiguous().view(-1, t.shape[-1])
+
+
+def _forward(x, residual, weight, eps, offset, casting):
+    """(out, new_residual or an empty tensor, rstd) for x [..., H]."""
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    x2 = _as_rows(x)
+    n_rows, n_cols = x2.shape
+    out = _utils.empty(x.shape, dtype, x.device)
+    new_residual = _utils.empty(x.shape if residual is not None else (0,), dtype, x.device)
+    rstd = _utils.empty((n_rows,), torch.float32, x.device)
+    if n_rows == 0:
+        return out, new_residual, rstd
+    res2 = _as_rows(residual) if residual is not None else x2
+    new_res2 = new_residual.view(-1, n_cols) if residual is not None else x2
+    out2 = out.view(-1, n_cols)
+    plan = _launch_plan(n_cols)
+    _rms_norm_forward_kernel[(_utils.cdiv(n_rows, plan.block_rows),)](
+        x2, res2, weight, out2, new_res2, rstd, n_rows, n_cols, x2.stride(0), res2.stride(0),
+        out2.stride(0), new_res2.stride(0), eps, offset, CASTING=_CASTING_CODES[casting],
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
+    )
+    return out, new_residual, rstd
+
+
+def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
+    """(grad_x in x's dtype, grad_weight in weight's dtype or an empty tensor)."""
+    x2, dy2 = _as_rows(x), _as_rows(grad_out)
+    n_rows, n_cols = x2.shape
+    grad_x = _utils.empty(x.shape, x.dtype, x.device)
+    plan = _launch_plan(n_cols)
+    tiles = _utils.cdiv(n_rows, plan.block_rows)
+    programs = max(1, min(tiles, BACKWARD_PROGRAMS_PER_SM * _utils.num_programs_in_flight(x.device)))
+    partial = _utils.empty((programs, n_cols) if weight_grad else (0,), torch.float32, x.device)
+    if n_rows:
+        dres2 = _as_rows(grad_residual) if grad_residual is not None else dy2
+        dx2 = grad_x.view(-1, n_cols)
+        _rms_norm_backward_kernel[(programs,)](
+            dy2, dres2, x2, weight, rstd, dx2, partial, n_rows, n_cols, dy2.stride(0),
+            dres2.stride(0), x2.stride(0), dx2.stride(0), offset,
+            CASTING=_CASTING_CODES[casting], HAS_GRAD_RESIDUAL=grad_residual is not None,
+            WEIGHT_GRAD=weight_grad, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
+            num_warps=plan.num_warps,
+        )
+    if not weight_grad:
+        return grad_x, weight.new_empty((0,))
+    if n_rows == 0:
+        return grad_x, torch.zeros_like(weight)
+    return grad_x, partial.sum(0).to(weight.dtype)
+
+
+# ============================================================================ custom ops
+
+
+def _fake_forward(x, residual, weight, eps, offset, casting):
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    n_rows = x.numel() // x.shape[-1]
+    return (
+        x.new_empty(x.shape, dtype=dtype),
+        x.new_empty(x.shape if residual is not None else (0,), dtype=dtype),
+        x.new_empty((n_rows,), dtype=torch.float32),
+    )
+
+
+@_utils.register_op(
+    "rms_norm_forward(Tensor x, Tensor? residual, Tensor weight, float eps, float offset, "
+    "str casting) -> (Tensor, Tensor, Tensor)",
+    fake=_fake_forward,
+)
+def _forward_op(x, residual, weight, eps, offset, casting):
+    """(out, new_residual, rstd [rows] fp32); new_residual is empty without a residual."""
+    return _forward(x, residual, weight, eps, offset, casting)
+
+
+def _fake_backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if weight_grad else (0,))
+
+
+@_utils.register_op(
+    "rms_norm_backward(Tensor grad_out, Tensor? grad_residual, Tensor x, Tensor weight, "
+    "Tensor rstd, float offset, str casting, bool weight_grad) -> (Tensor, Tensor)",
+    fake=_fake_backward,
+)
+def _backward_op(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
+    """(grad of the normalised input, plus grad_residual when given; grad_weight or empty)."""
+    return _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad)
+
+
+# ============================================================================ autograd
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):
+        out, _, rstd = _forward_op(x, None, weight, eps, offset, casting)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.options = (offset, casting)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_weight = _backward_op(
+            grad_out, None, x, weight, rstd, *ctx.options, ctx.needs_input_grad[1]
+        )
+        return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None, None, None
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    """(normed, new_residual) = (rms_norm(x + residual), x + residual)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting):
+        out, new_residual, rstd = _forward_op(x, residual, weight, eps, offset, casting)
+        ctx.save_for_backward(new_residual, weight, rstd)
+        ctx.options = (offset, casting)
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return out, new_residual
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_new_residual):
+        new_residual, weight, rstd = ctx.saved_tensors
+        grad_sum, grad_weight = _backward_op(
+            grad_out, grad_new_residual, new_residual, weight, rstd, *ctx.options,
+            ctx.needs_input_grad[2],
+        )
+        x_dtype, residual_dtype = ctx.dtypes
+        return (
+            grad_sum.to(x_dtype), grad_sum.to(residual_dtype),
+            grad_weight if ctx.needs_input_grad[2] else None, None, None, None,
+        )
+
+
+# ============================================================================ public functions
+
+
+def _check_kernel_limits(x: torch.Tensor) -> None:
+    if x.shape[-1] > MAX_HIDDEN and _utils.backend(x) != "reference":
+        raise ValueError(
+            f"x's last dim must be at most {MAX_HIDDEN} for the fused kernels (a row is held in "
+            f"registers), got {x.shape[-1]}"
+        )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float | None = None,
+    casting: str = "llama",
+) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
+
+    Args:
+        x: [..., H], float32 / float16 / bfloat16, any leading dims; rows may be strided (a
+            unit stride along H avoids a copy). H up to 65536 on the kernels.
+        weight: [H], any floating dtype (kept in its dtype: an fp32 weight beside bf16 x is
+            read as fp32 and gets an fp32 gradient).
+        eps: added to the mean of squares, >= 0.
+        offset: added to the weight; default 1.0 for casting "gemma" (Gemma's ``1 + w``), else 0.
+        casting: where rounding to x's dtype happens (the sum of squares is always fp32):
+            "llama": normalise in fp32, round to x's dtype, multiply by (offset + w) in fp32,
+            round (transformers' LlamaRMSNorm); "gemma": all fp32, one rounding at the end
+            (Gemma2RMSNorm); "none": the normalised value and (offset + w) are each rounded to
+            x's dtype before the multiply, as a computation kept in x's dtype does.
+
+    Returns:
+        y shaped and typed like x (also under autocast, which this op ignores: it is not a
+        matmul). Gradients: dx in x's dtype, dweight in weight's dtype, reduced over rows in
+        fp32 without atomics (deterministic).
+
+    Raises:
+        TypeError: x or weight not floating point; eps or offset not a number.
+        ValueError: weight not [H] with H = x's last dim; x 0-dim or with an empty last dim;
+            eps < 0; unknown casting; tensors on different devices; H > 65536 on the kernels.
+    """
+    reference.check_rms_norm_args(x, weight, eps, offset, casting)
+    if _utils.backend(x) == "reference":
+        return reference.rms_norm(x, weight, eps, offset=offset, casting=casting)
+    _check_kernel_limits(x)
+    return _RMSNormFunction.apply(
+        x, weight, float(eps), reference.resolve_offset(offset, casting), casting
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+    offset: float | None = None, casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with RMSNorm: ``s = x + residual``; returns ``(rms_norm(s), s)``.
+
+    One pass reads x and residual and writes s and the normed output; the backward adds the
+    gradient arriving at ``s`` (from the next residual add) to the norm's input gradient in the
+    same pass. ``s`` has the promoted dtype of x and residual (a bf16 sublayer output added to
+    an fp32 residual stream stays fp32, as in torch), and is rounded to it before normalising;
+    the normed output has that dtype too. x and residual get gradients in their own dtypes.
+    Other arguments, dtype rules and errors as :func:`rms_norm`; residual must have x's shape.
+    """
+    reference.check_rms_norm_args(x, weight, eps, offset, casting, residual)
+    if _utils.backend(x) == "reference":
+        return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting=casting)
+    _check_kernel_limits(x)
+    return _AddRMSNormFunction.apply(
+        x, residual, weight, float(eps), reference.resolve_offset(offset, casting), casting
+    )
