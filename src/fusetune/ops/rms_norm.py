@@ -191,7 +191,8 @@ def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_
     grad_x = _utils.empty(x.shape, x.dtype, x.device)
     plan = _launch_plan(n_cols)
     tiles = _utils.cdiv(n_rows, plan.block_rows)
-    programs = max(1, min(tiles, BACKWARD_PROGRAMS_PER_SM * _utils.num_programs_in_flight(x.device)))
+    in_flight = BACKWARD_PROGRAMS_PER_SM * _utils.num_programs_in_flight(x.device)
+    programs = max(1, min(tiles, in_flight))
     partial = _utils.empty((programs, n_cols) if weight_grad else (0,), torch.float32, x.device)
     if n_rows:
         dres2 = _as_rows(grad_residual) if grad_residual is not None else dy2
