@@ -1,0 +1,98 @@
+"""What the recurrent and chunked GSA kernels share: device helpers and the host-side view of
+the inputs (strides per tensor, sequence bounds, dot precision)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusetune._triton import INTERPRET, dot, tl, triton
+from fusetune._utils import next_power_of_2
+
+# Matmul operand precision, from the inputs' dtype (fp32 accumulation always):
+# bf16 -> bf16 tensor cores; fp16 -> tf32 (fp16's 10-bit mantissa with fp32's range, so a state
+# that grows past 65504 cannot overflow); fp32 -> IEEE fp32 (tf32 would miss the 1e-5 contract).
+DOT_BF16, DOT_TF32, DOT_IEEE = 0, 1, 2
+# Gates below this act as this: exp(-88) ~ 6e-39 is 0 to fp32, and clamping keeps the chunk
+# cumsums finite (an exact -inf gate would give inf - inf inside a chunk).
+GATE_FLOOR = -88.0
+# The kernels hold [K, M] and [M, V] states in registers.
+MAX_DIM = 256
+
+
+def dot_mode(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: DOT_BF16, torch.float16: DOT_TF32}.get(dtype, DOT_IEEE)
+
+
+@triton.jit
+def mm(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` in fp32, operands rounded per ``DOT`` (see DOT_* above)."""
+    if DOT == 0:
+        return dot(a.to(tl.bfloat16), b.to(tl.bfloat16), None, UPCAST)
+    elif DOT == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def sequence_bounds(cu_ptr, i_n, T, VARLEN: tl.constexpr):
+    """(batch index, first token, end token) of sequence ``i_n``; offsets clamped into [0, T]
+    so that a bad cu_seqlens on the GPU (not value-checked there: that needs a host sync) never
+    reads out of bounds."""
+    i_b = i_n
+    bos = i_n * 0
+    eos = bos + T
+    if VARLEN:
+        i_b = i_n * 0
+        bos = tl.minimum(tl.maximum(tl.load(cu_ptr + i_n).to(tl.int64), 0), eos)
+        eos = tl.minimum(tl.maximum(tl.load(cu_ptr + i_n + 1).to(tl.int64), bos), eos)
+    return i_b, bos, eos
+
+
+@triton.jit
+def load_gate(ptr, mask):
+    return tl.maximum(tl.load(ptr, mask=mask, other=0.0).to(tl.float32), -88.0)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes and launch constants of one call. Kernels index every [B, T, H, D]-like tensor as
+    ``b * stride_b + t * stride_t + h * stride_h + d`` (unit last stride), which covers both
+    layouts and strided views."""
+
+    n_seq: int
+    seq_len: int
+    q_heads: int
+    group: int
+    key_dim: int
+    value_dim: int
+    slots: int
+    scale: float
+    dot: int
+    varlen: bool
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        return dict(
+            BK=max(16, next_power_of_2(self.key_dim)),
+            BV=max(16, next_power_of_2(self.value_dim)),
+            BM=max(16, next_power_of_2(self.slots)),
+        )
+
+    def sizes(self) -> tuple:
+        return (self.seq_len, self.q_heads, self.group, self.key_dim, self.value_dim, self.slots)
+
+
+def bthd_strides(tensor: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(stride_b, stride_t, stride_h) of a 4-D tensor in ``layout``."""
+    sb, s1, s2, _ = tensor.stride()
+    return (sb, s1, s2) if layout == "BTHD" else (sb, s2, s1)
+
+
+def unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+UPCAST = INTERPRET

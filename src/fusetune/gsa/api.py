@@ -1,0 +1,335 @@
+"""``fusetune.gated_slot_attention``: argument checks, dispatch, custom ops and autograd.
+
+Math of the backward (per sequence and head; G = cumsum of g, both passes share it):
+    dHk_t = scale q_t^T da_t + exp(g_{t+1}) * dHk_{t+1}       dHv_t = p_t^T do_t + exp(g_{t+1}) * dHv_{t+1}
+    dq_t = scale da_t @ Hk_t^T      dk_t = dHk_t @ s_t         dv_t = s_t @ dHv_t
+    ds_t = k_t @ dHk_t + dHv_t @ v_t
+    dp_t = do_t @ Hv_t^T, da_t = p_t * (dp_t - <p_t, dp_t>)     (softmax backward)
+    dg_t = sum_{t' >= t} (a*da + p*dp - s*ds)_{t'} + sum_k dHk_T * Hk_T + sum_v dHv_T * Hv_T
+The dg identity: a_t = exp(G_t) * (...), p_t enters pass 2 as p_t exp(G_t), and s_j enters both
+passes as s_j exp(-G_j); so dL/dG_t = a_t da_t + p_t dp_t - s_t ds_t, and g_t reaches every G_t'
+with t' >= t (the final states depend on G_T).
+The kernels (``fused_recurrent.py``, ``chunk.py``) run it as sweep A (forward in time: dq, and
+p, da and r = a*da + p*dp kept in fp32) and sweep B (backward in time: dk, dv, ds, dg, dh0).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from fusetune import _utils
+from fusetune.gsa import chunk, fused_recurrent
+from fusetune.gsa._common import (
+    MAX_DIM,
+    UPCAST,
+    Geometry,
+    bthd_strides,
+    dot_mode,
+    unit_last_stride,
+)
+from fusetune.gsa.checks import MODES, Shapes, check_gsa_args
+from fusetune.gsa.naive import naive
+
+# ============================================================================ host launchers
+
+
+def _kernels(chunked: bool) -> types.ModuleType:
+    return chunk if chunked else fused_recurrent
+
+
+def _geometry(q, k, v, s, cu_seqlens, scale: float, layout: str) -> Geometry:
+    batch, heads = q.shape[0], (k.shape[2] if layout == "BTHD" else k.shape[1])
+    q_heads = q.shape[2] if layout == "BTHD" else q.shape[1]
+    seq_len = q.shape[1] if layout == "BTHD" else q.shape[2]
+    n_seq = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return Geometry(
+        n_seq=n_seq, seq_len=seq_len, q_heads=q_heads, group=q_heads // heads,
+        key_dim=q.shape[-1], value_dim=v.shape[-1], slots=s.shape[-1], scale=scale,
+        dot=dot_mode(q.dtype), varlen=cu_seqlens is not None,
+    )
+
+
+def _with_heads(tensor: torch.Tensor, heads: int, layout: str) -> tuple[int, ...]:
+    """``tensor``'s shape with its head count replaced by ``heads``."""
+    shape = list(tensor.shape)
+    shape[2 if layout == "BTHD" else 1] = heads
+    return tuple(shape)
+
+
+def _state_shapes(geom: Geometry, heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return ((geom.n_seq, heads, geom.key_dim, geom.slots),
+            (geom.n_seq, heads, geom.slots, geom.value_dim))
+
+
+def _launch(kernel, geom: Geometry, pointers, strided, flags: dict) -> None:
+    """Launch ``kernel`` over (sequence, query head) programs."""
+    programs = geom.n_seq * geom.q_heads
+    if programs == 0:
+        return
+    extra = _kernels(flags.pop("chunked")).constants(geom.seq_len, _utils.INTERPRET)
+    num_warps = extra.pop("num_warps")
+    strides = [x for tensor, layout in strided for x in bthd_strides(tensor, layout)]
+    kernel[(programs,)](
+        *pointers, *strides, geom.scale, geom.seq_len, geom.q_heads, geom.group,
+        geom.key_dim, geom.value_dim, geom.slots, **geom.blocks, **flags, VARLEN=geom.varlen,
+        DOT=geom.dot, UPCAST=UPCAST, **extra, num_warps=num_warps,
+    )
+
+
+def _prepare(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout):
+    geom = _geometry(q, k, v, s, cu_seqlens, scale, layout)
+    q, k, v, s, g = (unit_last_stride(x) for x in (q, k, v, s, g))
+    states = tuple(None if x is None else x.contiguous() for x in (hk0, hv0))
+    cu = None if cu_seqlens is None else cu_seqlens.contiguous()
+    return geom, (q, k, v, s, g), states, cu
+
+
+def _forward_impl(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state,
+                  chunked):
+    geom, (q, k, v, s, g), (hk0, hv0), cu = _prepare(q, k, v, s, g, hk0, hv0, cu_seqlens,
+                                                     scale, layout)
+    o = _utils.empty(q.shape[:3] + (geom.value_dim,), q.dtype, q.device)
+    heads = geom.q_heads // geom.group
+    hk_shape, hv_shape = _state_shapes(geom, heads) if output_final_state else ((0,), (0,))
+    hkT = _utils.empty(hk_shape, torch.float32, q.device)
+    hvT = _utils.empty(hv_shape, torch.float32, q.device)
+    kernels = _kernels(chunked)
+    _launch(
+        kernels.fwd_kernel, geom,
+        (q, k, v, s, g, o, o if hk0 is None else hk0, o if hv0 is None else hv0, hkT, hvT,
+         o if cu is None else cu),
+        [(q, layout), (k, layout), (v, layout), (s, layout), (g, layout), (o, layout)],
+        dict(HAS_H0=hk0 is not None, STORE_HT=output_final_state, chunked=chunked),
+    )
+    return o, hkT, hvT
+
+
+def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout,
+                   output_final_state, chunked):
+    geom, (q, k, v, s, g), (hk0, hv0), cu = _prepare(q, k, v, s, g, hk0, hv0, cu_seqlens,
+                                                     scale, layout)
+    device, hq, group = q.device, geom.q_heads, geom.group
+    do = unit_last_stride(do)
+    has_dht = output_final_state and (dhkT is not None or dhvT is not None)
+    if has_dht:
+        hk_shape, hv_shape = _state_shapes(geom, hq // group)
+        dhkT = (torch.zeros(hk_shape, device=device) if dhkT is None else dhkT).contiguous()
+        dhvT = (torch.zeros(hv_shape, device=device) if dhvT is None else dhvT).contiguous()
+    batch = q.shape[0]
+    # fp32 [B, T, HQ, M] buffers from sweep A to sweep B, and the final-state term of dg.
+    p_buf, da_buf, r_buf = (
+        _utils.empty((batch, geom.seq_len, hq, geom.slots), torch.float32, device)
+        for _ in range(3)
+    )
+    f_buf = _utils.empty((geom.n_seq, hq, geom.slots), torch.float32, device)
+    dq = _utils.empty(q.shape, q.dtype, device)
+    kernels, dummy = _kernels(chunked), dq
+    _launch(
+        kernels.bwd_a_kernel, geom,
+        (q, k, v, s, g, do, dq, p_buf, da_buf, r_buf, f_buf,
+         dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
+         dhkT if has_dht else dummy, dhvT if has_dht else dummy, dummy if cu is None else cu),
+        [(q, layout), (k, layout), (v, layout), (s, layout), (g, layout), (do, layout),
+         (dq, layout), (p_buf, "BTHD")],
+        dict(HAS_H0=hk0 is not None, HAS_DHT=has_dht, chunked=chunked),
+    )
+    # With grouped queries each query head writes its own fp32 partial gradient; summed below.
+    grads = [
+        _utils.empty(_with_heads(x, hq, layout), torch.float32, device) if group > 1
+        else _utils.empty(x.shape, x.dtype, device)
+        for x in (k, v, s, g)
+    ]
+    dhk0, dhv0 = (_utils.empty(shape, torch.float32, device) for shape in _state_shapes(geom, hq))
+    _launch(
+        kernels.bwd_b_kernel, geom,
+        (q, k, v, s, g, do, p_buf, da_buf, r_buf, f_buf,
+         dhkT if has_dht else dummy, dhvT if has_dht else dummy, *grads, dhk0, dhv0,
+         dummy if cu is None else cu),
+        [(q, layout), (k, layout), (v, layout), (s, layout), (g, layout), (do, layout),
+         (p_buf, "BTHD"), *((x, layout) for x in grads)],
+        dict(HAS_DHT=has_dht, chunked=chunked),
+    )
+    if group > 1:
+        grads = [_sum_group(x, group, layout).to(ref.dtype) for x, ref in zip(grads, (k, v, s, g),
+                                                                              strict=True)]
+    dhk0, dhv0 = (x.unflatten(1, (hq // group, group)).sum(2) for x in (dhk0, dhv0))
+    return (dq, *grads, dhk0, dhv0)
+
+
+def _sum_group(tensor: torch.Tensor, group: int, layout: str) -> torch.Tensor:
+    dim = 2 if layout == "BTHD" else 1
+    return tensor.unflatten(dim, (tensor.shape[dim] // group, group)).sum(dim + 1)
+
+
+# ============================================================================ custom ops
+
+_ARGS = "Tensor? hk0, Tensor? hv0, Tensor? cu_seqlens, float scale, str layout"
+
+
+def _fake_forward(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state,
+                  chunked):
+    o = q.new_empty(q.shape[:3] + (v.shape[-1],))
+    if not output_final_state:
+        return o, q.new_empty((0,), dtype=torch.float32), q.new_empty((0,), dtype=torch.float32)
+    heads = k.shape[2] if layout == "BTHD" else k.shape[1]
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    key_dim, slots, value_dim = q.shape[-1], s.shape[-1], v.shape[-1]
+    return (
+        o,
+        q.new_empty((n_seq, heads, key_dim, slots), dtype=torch.float32),
+        q.new_empty((n_seq, heads, slots, value_dim), dtype=torch.float32),
+    )
+
+
+def _fake_backward(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout,
+                   output_final_state, chunked):
+    heads = k.shape[2] if layout == "BTHD" else k.shape[1]
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    key_dim, slots, value_dim = q.shape[-1], s.shape[-1], v.shape[-1]
+    return (
+        *(x.new_empty(x.shape) for x in (q, k, v, s, g)),
+        q.new_empty((n_seq, heads, key_dim, slots), dtype=torch.float32),
+        q.new_empty((n_seq, heads, slots, value_dim), dtype=torch.float32),
+    )
+
+
+_forward_op = _utils.register_op(
+    f"gsa_forward(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, {_ARGS}, "
+    "bool output_final_state, bool chunked) -> (Tensor, Tensor, Tensor)",
+    fake=_fake_forward,
+)(_forward_impl)
+
+_backward_op = _utils.register_op(
+    "gsa_backward(Tensor do, Tensor? dhkT, Tensor? dhvT, Tensor q, Tensor k, Tensor v, "
+    f"Tensor s, Tensor g, {_ARGS}, bool output_final_state, bool chunked) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_fake_backward,
+)(_backward_impl)
+
+
+# ============================================================================ autograd
+
+
+class _GSAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state,
+                chunked):
+        o, hkT, hvT = _forward_op(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout,
+                                  output_final_state, chunked)
+        ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu_seqlens)
+        ctx.options = (scale, layout, output_final_state, chunked)
+        ctx.state_dtypes = (None, None) if hk0 is None else (hk0.dtype, hv0.dtype)
+        return o, hkT, hvT
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dhkT, dhvT):
+        q, k, v, s, g, hk0, hv0, cu_seqlens = ctx.saved_tensors
+        scale, layout, output_final_state, chunked = ctx.options
+        dq, dk, dv, ds, dg, dhk0, dhv0 = _backward_op(
+            do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout,
+            output_final_state, chunked,
+        )
+        if hk0 is None:
+            dhk0 = dhv0 = None
+        else:
+            dhk0, dhv0 = dhk0.to(ctx.state_dtypes[0]), dhv0.to(ctx.state_dtypes[1])
+        return dq, dk, dv, ds, dg, dhk0, dhv0, None, None, None, None, None
+
+
+# ============================================================================ public function
+
+
+def gated_slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    layout: str = "BTHD",
+    mode: str = "chunk",
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Gated slot attention (Zhang et al., 2024): two gated linear-attention passes over M
+    memory slots joined by a softmax over the slots; forward and backward fused.
+
+    Per sequence and head, in fp32 (see ``fusetune.gsa.naive`` for the recurrence):
+        Hk = Hk * exp(g_t)[None, :] + k_t^T s_t;  p_t = softmax(scale * q_t @ Hk)
+        Hv = Hv * exp(g_t)[:, None] + s_t^T v_t;  o_t = p_t @ Hv
+
+    Args:
+        q: [B, T, HQ, K] (layout "BTHD") or [B, HQ, T, K] ("BHTD"); fp32, fp16 or bf16.
+        k: [B, T, H, K] (or [B, H, T, K]); HQ must be a multiple of H (grouped queries: query
+            head i reads key/value head i // (HQ / H)).
+        v: [B, T, H, V].  s: [B, T, H, M] slot weights.  q, k, v and s share one dtype.
+        g: [B, T, H, M] log forget gates, <= 0 (a layer uses logsigmoid(f) / normaliser); any
+            float dtype, read as fp32. Positive gates raise ValueError for CPU tensors; on the GPU
+            they are not checked (that would cost a host sync). Gates below -88 act as -88
+            (exp(-88) is 0 to fp32).
+        scale: multiplies q; default K ** -0.5.
+        initial_state: (hk0 [N, H, K, M], hv0 [N, H, M, V]), any float dtype; N = B, or the
+            number of sequences with cu_seqlens. Zero when None. Gradients flow to it.
+        output_final_state: also return the final states (fp32, shaped like initial_state).
+        cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (B must be 1): 0 first, then
+            non-decreasing, T last; no state crosses a boundary. Values are checked for CPU
+            tensors; on the GPU they are clamped into [0, T] instead (no host sync).
+        layout: "BTHD" or "BHTD" (any strides with a unit last stride are read in place).
+        mode: "chunk" (chunks of 16 tokens: intra-chunk by matmuls, inter-chunk through states
+            carried in fp32; for training) or "recurrent" (token by token: decoding, short T).
+            Both compute the same function to rounding.
+
+    Returns:
+        o: [B, T, HQ, V] (or [B, HQ, T, V]) in q's dtype; with output_final_state,
+        ``(o, (hk [N, H, K, M], hv [N, H, M, V]))``.
+
+    Under torch.autocast, q, k, v and s are cast to the autocast dtype (as attention's matmuls
+    would be) and o comes back in it; gradients come back in each input's own dtype.
+    Matmul operands: bf16 inputs use bf16 tensor cores, fp16 inputs tf32 (fp16 precision,
+    fp32 range), fp32 inputs IEEE fp32; accumulation, gate cumsums, softmax and the carried
+    states are fp32 always.
+
+    Raises:
+        TypeError: a non-tensor or non-floating input; q, k, v, s of different dtypes; a bad
+            initial_state container; cu_seqlens not integer.
+        ValueError: shapes inconsistent among q, k, v, s, g (message names them); not 4-D; HQ
+            not a multiple of H; unknown layout or mode; cu_seqlens with B != 1, not 1-D, or (on
+            the CPU) not starting at 0, decreasing, or not ending at T; initial_state shapes; a
+            head dim above 256 on the kernel path; positive gates (CPU); tensors on different
+            devices.
+    """
+    _utils.check_choice("mode", mode, MODES)
+    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v, s = (x.to(dtype) if isinstance(x, torch.Tensor) else x for x in (q, k, v, s))
+    shapes = check_gsa_args(
+        q, k, v, s, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, layout=layout,
+    )
+    if _utils.backend(q) == "reference":
+        return naive(q, k, v, s, g, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     layout=layout)
+    _check_kernel_dims(shapes)
+    scale = shapes.key_dim**-0.5 if scale is None else float(scale)
+    hk0, hv0 = (None, None) if initial_state is None else initial_state
+    with torch.autocast(device_type, enabled=False):
+        o, hkT, hvT = _GSAFunction.apply(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout,
+                                         output_final_state, mode == "chunk")
+    return (o, (hkT, hvT)) if output_final_state else o
+
+
+def _check_kernel_dims(shapes: Shapes) -> None:
+    for name, size in (("K (q/k last dim)", shapes.key_dim), ("V (v last dim)", shapes.value_dim),
+                       ("M (s/g last dim)", shapes.slots)):
+        if size > MAX_DIM:
+            raise ValueError(
+                f"{name} = {size} exceeds {MAX_DIM}, the largest the GSA kernels keep in "
+                "registers; split the heads"
+            )
