@@ -145,6 +145,7 @@ def check_op(
     output_dtypes: Sequence[torch.dtype | None] | None = None,
     backend: str | None = None,
     atol: float = 0.0,
+    input_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Result:
     """Run ``op(**inputs, **kwargs)`` forward and backward and compare with ``reference``.
 
@@ -157,10 +158,13 @@ def check_op(
     output_dtypes: the dtype each output must have (None: the input dtype ``dtype``).
     mode: "eager" or "compile" (``backend`` overrides the compile backend).
     atol: see ``assert_close``; for cases whose exact result is 0.
+    input_dtypes: per-input dtypes that override ``dtype`` for mixed-precision cases (each
+        such input is rounded to its own dtype and its gradient must come back in it).
     The backward pass uses random upstream gradients, never ones.
     """
     kwargs = dict(kwargs or {})
-    rounded = {k: (v.to(dtype) if k in cast else v) for k, v in inputs.items()}
+    own_dtypes = {k: (input_dtypes or {}).get(k, dtype) for k in cast}
+    rounded = {k: (v.to(own_dtypes[k]) if k in cast else v) for k, v in inputs.items()}
 
     ref_inputs = {k: v.double() if k in cast else v for k, v in rounded.items()}
     for name in grad:

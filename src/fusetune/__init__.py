@@ -10,8 +10,24 @@ from fusetune import (
     reference,
 )
 from fusetune._utils import backend
+from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
+from fusetune.ops.linear_cross_entropy import linear_cross_entropy
+from fusetune.ops.rms_norm import add_rms_norm, rms_norm
+from fusetune.ops.rope import rope
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "backend", "cross_entropy", "nn", "reference"]
+__all__ = [
+    "__version__",
+    "add_rms_norm",
+    "backend",
+    "cross_entropy",
+    "geglu",
+    "linear_cross_entropy",
+    "nn",
+    "reference",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]

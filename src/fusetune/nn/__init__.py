@@ -1,5 +1,16 @@
 """torch.nn.Module wrappers of fusetune's ops."""
 
-from fusetune.nn.loss import CrossEntropyLoss
+from fusetune.nn.loss import CrossEntropyLoss, LinearCrossEntropyLoss
+from fusetune.nn.mlp import GatedMLP, GeGLUMLP, SwiGLUMLP
+from fusetune.nn.norm import RMSNorm
+from fusetune.nn.rope import RotaryEmbedding
 
-__all__ = ["CrossEntropyLoss"]
+__all__ = [
+    "CrossEntropyLoss",
+    "GatedMLP",
+    "GeGLUMLP",
+    "LinearCrossEntropyLoss",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLUMLP",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusetune.ops.cross_entropy import cross_entropy
+from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -45,6 +46,58 @@ class CrossEntropyLoss(torch.nn.Module):
         num_items: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return cross_entropy(logits, labels, num_items=num_items, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Module form of :func:`fusetune.linear_cross_entropy`; the options are fixed at
+    construction.
+
+    ``forward(hidden, weight, labels, bias=None, num_items=None)`` takes hidden [N, H] or
+    [B, T, H], the lm_head weight [V, H], labels [N] or [B, T] and an optional bias [V], and
+    returns what :func:`fusetune.linear_cross_entropy` returns. The module holds no weight: pass
+    the model's lm_head weight, so that tied embeddings and adapters keep working.
+    """
+
+    def __init__(
+        self,
+        *,
+        shift: bool = False,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        logit_softcap: float | None = None,
+        logit_scale: float | None = None,
+        z_loss: float = 0.0,
+        return_z_loss: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = dict(
+            shift=shift,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            logit_softcap=logit_softcap,
+            logit_scale=logit_scale,
+            z_loss=z_loss,
+            return_z_loss=return_z_loss,
+            chunk_size=chunk_size,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        num_items: float | torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return linear_cross_entropy(
+            hidden, weight, labels, bias, num_items=num_items, **self.options
+        )
 
     def extra_repr(self) -> str:
         return ", ".join(f"{key}={value!r}" for key, value in self.options.items())

@@ -578,8 +578,32 @@ class _CrossEntropyFunction(torch.autograd.Function):
 # ============================================================================ public function
 
 
-def _optional_float(value: float | None) -> float | None:
+def optional_float(value: float | None) -> float | None:
     return None if value is None else float(value)
+
+
+def loss_scale(
+    valid: torch.Tensor, reduction: str, num_items: float | torch.Tensor | None
+) -> torch.Tensor:
+    """1 / the loss's denominator as a 0-dim fp32 tensor on the device (no host sync): the
+    non-ignored token count for "mean", ``num_items`` when given, else 1."""
+    if num_items is not None:
+        denominator = _utils.scalar_tensor(num_items, valid.device)
+    elif reduction == "mean":
+        denominator = valid.sum().clamp_min(1).to(torch.float32)
+    else:
+        denominator = torch.ones((), dtype=torch.float32, device=valid.device)
+    return denominator.reciprocal()
+
+
+def z_loss_term(
+    valid: torch.Tensor, lse: torch.Tensor, z_loss: float, reduction: str,
+    inv_denominator: torch.Tensor,
+) -> torch.Tensor:
+    """The z-loss part of the loss alone, detached, reduced like the loss (for logging)."""
+    z_term = torch.where(valid, z_loss * lse.view(valid.shape).square(), 0.0)
+    value = z_term if reduction == "none" else z_term.sum() * inv_denominator
+    return value.detach()
 
 
 def cross_entropy(
@@ -643,22 +667,14 @@ def cross_entropy(
     if inplace_backward and logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernels need a unit column stride to write in place
     valid = labels != ignore_index
-    if num_items is not None:
-        denominator = _utils.scalar_tensor(num_items, logits.device)
-    elif reduction == "mean":
-        denominator = valid.sum().clamp_min(1).to(torch.float32)
-    else:
-        denominator = torch.ones((), dtype=torch.float32, device=logits.device)
-    inv_denominator = denominator.reciprocal()
+    inv_denominator = loss_scale(valid, reduction, num_items)
 
     loss, lse = _CrossEntropyFunction.apply(
         logits, labels, inv_denominator, int(ignore_index), float(label_smoothing), float(z_loss),
-        _optional_float(logit_scale), _optional_float(logit_softcap), reduction, inplace_backward,
+        optional_float(logit_scale), optional_float(logit_softcap), reduction, inplace_backward,
     )
     if reduction == "none":
         loss = loss.view(labels.shape)
     if not return_z_loss:
         return loss
-    z_term = torch.where(valid, z_loss * lse.view(labels.shape).square(), 0.0)
-    z_value = z_term if reduction == "none" else z_term.sum() * inv_denominator
-    return loss, z_value.detach()
+    return loss, z_loss_term(valid, lse, z_loss, reduction, inv_denominator)

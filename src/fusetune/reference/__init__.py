@@ -2,6 +2,18 @@
 
 They are the CPU path of the public ops and the oracle the tests compare the kernels with."""
 
+from fusetune.reference.activation import geglu, swiglu
 from fusetune.reference.cross_entropy import cross_entropy
+from fusetune.reference.linear_cross_entropy import linear_cross_entropy
+from fusetune.reference.rms_norm import add_rms_norm, rms_norm
+from fusetune.reference.rope import rope
 
-__all__ = ["cross_entropy"]
+__all__ = [
+    "add_rms_norm",
+    "cross_entropy",
+    "geglu",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]

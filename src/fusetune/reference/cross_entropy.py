@@ -43,6 +43,24 @@ def check_cross_entropy_args(
             f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}"
         )
     check_same_device(logits=logits, labels=labels)
+    check_loss_options(
+        reduction=reduction, label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+        logit_scale=logit_scale, z_loss=z_loss, num_items=num_items,
+        inplace_backward=inplace_backward,
+    )
+
+
+def check_loss_options(
+    *,
+    reduction: str,
+    label_smoothing: float,
+    logit_softcap: float | None,
+    logit_scale: float | None,
+    z_loss: float,
+    num_items: float | torch.Tensor | None,
+    inplace_backward: bool = False,
+) -> None:
+    """The loss options every cross-entropy op shares (fused with a linear layer or not)."""
     check_choice("reduction", reduction, REDUCTIONS)
     check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
     check_number("logit_softcap", logit_softcap, low=0.0, low_inclusive=False, optional=True)

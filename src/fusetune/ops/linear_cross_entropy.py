@@ -1,0 +1,343 @@
+"""Fused linear cross-entropy: the lm_head matmul and the loss without the [N, V] logits.
+
+Rows are taken a chunk at a time. For each chunk the logits are computed into one reused
+buffer (cuBLAS), the cross-entropy kernels of :mod:`fusetune.ops.cross_entropy` turn them into
+their gradient in place, and two more matmuls give that chunk's hidden gradient and its share
+of the weight gradient. With a scalar upstream gradient (reduction "mean" or "sum") all of this
+happens in the forward: three matmuls in all, and backward only rescales when the upstream
+gradient is not 1. With reduction "none" the forward keeps each row's logsumexp and backward
+recomputes the logits chunk by chunk (four matmuls).
+
+The extra memory is one chunk of logits, sized from the weight and the free memory (never from
+N x V), plus per-row fp32 statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusetune import _utils
+from fusetune.ops import cross_entropy as ce
+from fusetune.reference.cross_entropy import check_labels_in_range
+from fusetune.reference.linear_cross_entropy import (
+    check_linear_cross_entropy_args,
+    matmul_dtype,
+    shift_labels,
+)
+from fusetune.reference.linear_cross_entropy import (
+    linear_cross_entropy as reference_linear_cross_entropy,
+)
+
+# A chunk's logits take at most this fraction of the weight's bytes (the weight gradient, which
+# any training step allocates, is as large), at least MIN_LOGITS_BYTES, and at most a quarter of
+# the free memory. Rows per chunk are a multiple of ROW_ALIGN, which keeps the matmuls in
+# full tiles. Measured on an H100 in NOTES.md.
+LOGITS_WEIGHT_FRACTION = 8
+MIN_LOGITS_BYTES = 64 * 2**20
+ROW_ALIGN = 64
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def chunk_rows(n_rows: int, weight: torch.Tensor, override: int = 0) -> int:
+    """Rows per chunk: ``override`` when > 0, else chosen from the weight and the free memory."""
+    if override > 0:
+        return max(1, min(override, n_rows))
+    vocab, element = weight.shape[0], weight.element_size()
+    budget = max(weight.numel() * element // LOGITS_WEIGHT_FRACTION, MIN_LOGITS_BYTES)
+    free = _free_bytes(weight.device)
+    if free is not None:
+        budget = min(budget, free // 4)
+    rows = max(ROW_ALIGN, budget // (vocab * element) // ROW_ALIGN * ROW_ALIGN)
+    return max(1, min(rows, n_rows))
+
+
+# ============================================================================ chunk loop
+
+
+class _Grads:
+    """The gradients being accumulated over chunks, in the matmul dtype (bias: fp32); an empty
+    tensor for each one not asked for."""
+
+    def __init__(self, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+        device = hidden.device
+        self.hidden = _utils.empty(hidden.shape if grad_hidden else (0,), hidden.dtype, device)
+        self.weight = _utils.empty(weight.shape if grad_weight else (0,), weight.dtype, device)
+        bias_shape = (weight.shape[0],) if grad_bias else (0,)
+        self.bias = torch.zeros(bias_shape, dtype=torch.float32, device=device)
+        self.started = False
+        if hidden.shape[0] == 0:  # no chunk will write them
+            self.hidden.zero_()
+            self.weight.zero_()
+
+    def add_chunk(self, grad_logits, hidden, weight, rows: slice) -> None:
+        """Accumulate one chunk's contribution, given its logits gradient [rows, V]."""
+        if self.hidden.numel():
+            torch.mm(grad_logits, weight, out=self.hidden[rows])
+        if self.weight.numel():
+            if self.started:
+                self.weight.addmm_(grad_logits.t(), hidden[rows])
+            else:
+                torch.mm(grad_logits.t(), hidden[rows], out=self.weight)
+        if self.bias.numel():
+            self.bias += grad_logits.sum(dim=0, dtype=torch.float32)
+        self.started = True
+
+    def outputs(self):
+        return self.hidden, self.weight, self.bias
+
+
+def _chunks(n_rows: int, rows: int):
+    for start in range(0, n_rows, rows):
+        yield slice(start, min(start + rows, n_rows))
+
+
+def _logits_into(buffer, hidden, weight, bias, rows: slice) -> torch.Tensor:
+    logits = buffer[: rows.stop - rows.start]
+    if bias is None:
+        return torch.mm(hidden[rows], weight.t(), out=logits)
+    return torch.addmm(bias, hidden[rows], weight.t(), out=logits)
+
+
+def _ce_plan(rows: int, weight: torch.Tensor) -> ce._LaunchPlan:
+    return ce._launch_plan(rows, weight.shape[0], weight.device)
+
+
+# ============================================================================ custom ops
+
+
+_GRAD_FLAGS = "bool grad_hidden, bool grad_weight, bool grad_bias"
+
+
+def _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias):
+    return (
+        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+        weight.new_empty(weight.shape if grad_weight else (0,)),
+        weight.new_empty((weight.shape[0],) if grad_bias else (0,), dtype=torch.float32),
+    )
+
+
+def _fake_forward(hidden, weight, bias, labels, grad_scale, *rest):
+    *_, chunk_override, grad_hidden, grad_weight, grad_bias = rest
+    per_row = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
+    grads = _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias)
+    return (per_row, per_row.new_empty(per_row.shape), *grads)
+
+
+@_utils.register_op(
+    "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
+    f"Tensor grad_scale, {ce._OPTION_SCHEMA}, int chunk_override, {_GRAD_FLAGS}) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_fake_forward,
+)
+def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_smoothing, z_loss,
+                logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight, grad_bias):
+    """hidden [N, H], weight [V, H], bias [V] in the matmul dtype; labels [N].
+
+    Returns per-row loss and logsumexp (fp32 [N]) and, for each grad flag set, the gradient of
+    ``grad_scale * sum(loss)`` (grad_scale 0-dim fp32): hidden's and weight's in their dtype,
+    bias's in fp32; an empty tensor for each flag not set."""
+    options = ce._Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    n_rows, device = labels.numel(), hidden.device
+    loss = _utils.empty((n_rows,), torch.float32, device)
+    lse = _utils.empty((n_rows,), torch.float32, device)
+    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    compute_grad = grad_hidden or grad_weight or grad_bias
+    rows = chunk_rows(n_rows, weight, chunk_override)
+    buffer = _utils.empty((min(rows, n_rows), weight.shape[0]), hidden.dtype, device)
+    plan = _ce_plan(rows, weight)
+    with torch.autocast(device.type, enabled=False):
+        for chunk in _chunks(n_rows, rows):
+            logits3 = _logits_into(buffer, hidden, weight, bias, chunk).unsqueeze(0)
+            grad3 = logits3 if compute_grad else None  # the gradient overwrites the logits
+            ce._forward_stats(
+                logits3, labels[chunk], options, plan, loss[chunk], lse[chunk], grad3, grad_scale
+            )
+            if compute_grad:
+                grads.add_chunk(logits3[0], hidden, weight, chunk)
+    return (loss, lse, *grads.outputs())
+
+
+@_utils.register_op(
+    "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
+    f"Tensor? bias, Tensor labels, Tensor lse, {ce._OPTION_SCHEMA}, int chunk_override, "
+    f"{_GRAD_FLAGS}) -> (Tensor, Tensor, Tensor)",
+    fake=lambda grad_loss, hidden, weight, bias, labels, lse, *rest: _fake_grads(
+        hidden, weight, *rest[-3:]
+    ),
+)
+def _backward_op(grad_loss, hidden, weight, bias, labels, lse, ignore_index, label_smoothing,
+                 z_loss, logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight,
+                 grad_bias):
+    """Gradients from per-row upstream gradients ``grad_loss`` (fp32 [N]), recomputing the
+    logits chunk by chunk from the saved logsumexp."""
+    options = ce._Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    n_rows, device = labels.numel(), hidden.device
+    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    rows = chunk_rows(n_rows, weight, chunk_override)
+    buffer = _utils.empty((min(rows, n_rows), weight.shape[0]), hidden.dtype, device)
+    plan = _ce_plan(rows, weight)
+    grad_loss = grad_loss.to(torch.float32).contiguous()
+    with torch.autocast(device.type, enabled=False):
+        for chunk in _chunks(n_rows, rows):
+            logits3 = _logits_into(buffer, hidden, weight, bias, chunk).unsqueeze(0)
+            ce._write_grad(
+                logits3, labels[chunk], lse[chunk], grad_loss[chunk], logits3, options, plan
+            )
+            grads.add_chunk(logits3[0], hidden, weight, chunk)
+    return grads.outputs()
+
+
+# ============================================================================ autograd
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """Returns (loss, lse) for hidden [N, H]; loss reduced with ``inv_denominator`` unless
+    reduction is "none"."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, inv_denominator, op_args, reduction,
+                chunk_override, dtype):
+        flags = tuple(ctx.needs_input_grad[:3])
+        # With a scalar upstream gradient the gradients are known now: compute them in the
+        # same pass over each chunk of logits; backward then only rescales.
+        fused = any(flags) and reduction != "none"
+        loss, lse, *grads = _forward_op(
+            hidden.to(dtype), weight.to(dtype), _cast(bias, dtype), labels, inv_denominator,
+            *op_args, chunk_override, *(flags if fused else (False,) * 3),
+        )
+        if reduction != "none":
+            loss = loss.sum() * inv_denominator
+        ctx.fused, ctx.flags, ctx.dtype = fused, flags, dtype
+        ctx.op_args, ctx.chunk_override = op_args, chunk_override
+        if fused:
+            ctx.save_for_backward(*_own_dtypes(grads, flags, hidden, weight, bias))
+        elif any(flags):
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_lse):
+        if ctx.fused:
+            grads = ctx.saved_tensors
+            for grad in grads:
+                if grad is not None:
+                    ce._scale_op(grad.view(1, -1) if grad.dim() == 1 else grad, grad_loss)
+        else:
+            hidden, weight, bias, labels, lse = ctx.saved_tensors
+            raw = _backward_op(
+                grad_loss, hidden.to(ctx.dtype), weight.to(ctx.dtype), _cast(bias, ctx.dtype),
+                labels, lse, *ctx.op_args, ctx.chunk_override, *ctx.flags,
+            )
+            grads = _own_dtypes(raw, ctx.flags, hidden, weight, bias)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _own_dtypes(grads, flags, *inputs):
+    """Each asked-for gradient in its input's dtype; None for the others."""
+    return tuple(
+        grad.to(tensor.dtype) if wanted else None
+        for grad, wanted, tensor in zip(grads, flags, inputs, strict=True)
+    )
+
+
+# ============================================================================ public function
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    shift: bool = False,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
+    logit_scale: float | None = None,
+    z_loss: float = 0.0,
+    num_items: float | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the logits.
+
+    Args:
+        hidden: [N, H] or [B, T, H], float32 / float16 / bfloat16 (rows may be strided).
+        weight: [V, H], the lm_head weight; float32 / float16 / bfloat16.
+        labels: [N] or [B, T] (hidden's leading dims), int64 or int32.
+        bias: optional [V].
+        shift: causal-LM next-token loss: position t is scored against labels[..., t + 1] and
+            the last position of each sequence is dropped. hidden is not copied.
+        ignore_index, reduction, label_smoothing, logit_softcap, logit_scale, z_loss,
+        num_items, return_z_loss: as in :func:`fusetune.cross_entropy`, applied to the logits.
+        chunk_size: rows per chunk (default: chosen so that a chunk's logits take about 1/8 of
+            the weight's bytes and at most a quarter of the free GPU memory).
+
+    Precision: the matmuls run in the autocast dtype under torch.autocast, as F.linear does;
+    outside autocast in the inputs' dtype, or, when float32 is mixed with a 16-bit dtype, in
+    the 16-bit one (float16 mixed with bfloat16 is an error). They accumulate in fp32; the
+    logits are held in the matmul dtype, the loss is computed in fp32. The weight gradient is
+    summed over the row chunks in the matmul dtype (one rounding per chunk).
+
+    Returns:
+        the loss (fp32; 0-dim, or [N] / [B, T] (T - 1 with shift) for reduction "none"); with
+        ``return_z_loss`` a (loss, z_loss) pair. Gradients of hidden, weight and bias come back
+        in each one's own dtype; a tensor that does not require grad costs no gradient work
+        (a frozen lm_head skips a third of the matmuls).
+
+    Raises:
+        TypeError: a non-floating hidden, weight or bias; integer-less labels; float16 mixed
+            with bfloat16 outside autocast; a non-number option.
+        ValueError: hidden's last dim not weight's in-features (with a hint when it equals the
+            vocabulary size: logits passed for hidden states); labels not hidden's leading dims;
+            bias not [V]; tensors on different devices; any option error of
+            :func:`fusetune.cross_entropy`; on the CPU, a label outside [0, V).
+    """
+    options = dict(
+        reduction=reduction, label_smoothing=label_smoothing, logit_softcap=logit_softcap,
+        logit_scale=logit_scale, z_loss=z_loss, num_items=num_items,
+    )
+    check_linear_cross_entropy_args(hidden, weight, labels, bias, chunk_size=chunk_size, **options)
+    if _utils.backend(hidden) == "reference":
+        return reference_linear_cross_entropy(
+            hidden, weight, labels, bias, shift=shift, ignore_index=ignore_index,
+            return_z_loss=return_z_loss, chunk_size=chunk_size, **options,
+        )
+    dtype = matmul_dtype(hidden, weight)
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_labels_in_range(labels, weight.shape[0], ignore_index)
+    shaped_labels = shift_labels(labels, ignore_index) if shift else labels
+    flat_labels = shaped_labels.reshape(-1).contiguous()  # the kernels index it densely
+    valid = flat_labels != ignore_index
+    inv_denominator = ce.loss_scale(valid, reduction, num_items)
+    op_args = (
+        int(ignore_index), float(label_smoothing), float(z_loss),
+        ce.optional_float(logit_scale), ce.optional_float(logit_softcap),
+    )
+    loss, lse = _LinearCrossEntropyFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, inv_denominator,
+        op_args, reduction, int(chunk_size or 0), dtype,
+    )
+    if reduction == "none":
+        loss = _unshift(loss.view(labels.shape), shift)
+    if not return_z_loss:
+        return loss
+    z_value = ce.z_loss_term(valid, lse, z_loss, reduction, inv_denominator)
+    return loss, _unshift(z_value.view(labels.shape), shift) if reduction == "none" else z_value
+
+
+def _unshift(per_token: torch.Tensor, shift: bool) -> torch.Tensor:
+    return per_token[..., :-1] if shift else per_token
