@@ -45,27 +45,30 @@ def matmul_floor(n: int, h: int, v: int) -> float:
     return do_bench(three, warmup=25, rep=200) * n / rows
 
 
+def sweep(n: int, h: int, v: int, candidates: list[int]) -> None:
+    hidden = torch.randn(n, h, device="cuda").to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(torch.bfloat16)
+    weight.requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    default = chunk_rows(n, weight)
+    for rows in sorted({default, *candidates}):
+
+        def step(rows: int = rows) -> None:
+            fusetune.linear_cross_entropy(hidden, weight, labels, chunk_size=rows).backward()
+            hidden.grad = weight.grad = None
+
+        ms, peak = measure(step)
+        mark = " (default)" if rows == default else ""
+        print(f"{n}x{h}x{v:>7} {rows:>6} {ms:8.2f} {peak:9.3f}{mark}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="*", default=[256, 512, 1024, 2048])
     args = parser.parse_args()
     print(f"{'shape':>20} {'rows':>6} {'ms':>8} {'peak GiB':>9}")
     for n, h, v in SHAPES:
-        hidden = torch.randn(n, h, device="cuda").to(torch.bfloat16).requires_grad_()
-        weight = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(torch.bfloat16)
-        weight.requires_grad_()
-        labels = torch.randint(0, v, (n,), device="cuda")
-        default = chunk_rows(n, weight)
-        for rows in sorted({default, *args.rows}):
-
-            def step(rows=rows) -> None:
-                fusetune.linear_cross_entropy(hidden, weight, labels, chunk_size=rows).backward()
-                hidden.grad = weight.grad = None
-
-            ms, peak = measure(step)
-            mark = " (default)" if rows == default else ""
-            print(f"{n}x{h}x{v:>7} {rows:>6} {ms:8.2f} {peak:9.3f}{mark}", flush=True)
-        del hidden, weight, labels
+        sweep(n, h, v, args.rows)
         print(f"{n}x{h}x{v:>7} cuBLAS 3 matmuls (2048-row chunks): {matmul_floor(n, h, v):.2f} ms")
 
 
