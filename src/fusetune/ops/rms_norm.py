@@ -22,7 +22,9 @@ import torch
 
 from fusetune import _utils
 from fusetune._triton import tl, triton
-from fusetune.reference import rms_norm as reference
+from fusetune.reference.rms_norm import add_rms_norm as reference_add_rms_norm
+from fusetune.reference.rms_norm import check_rms_norm_args, resolve_offset
+from fusetune.reference.rms_norm import rms_norm as reference_rms_norm
 
 LLAMA, GEMMA, NONE = 0, 1, 2
 _CASTING_CODES = {"llama": LLAMA, "gemma": GEMMA, "none": NONE}
@@ -39,9 +41,13 @@ def _round_to(value, dtype: tl.constexpr):
 
 
 @triton.jit
-def _scale(weight_ptr, cols, col_mask, offset, x_dtype: tl.constexpr, CASTING: tl.constexpr):
+def _scale(
+    weight_ptr, weight_stride, cols, col_mask, offset, x_dtype: tl.constexpr,
+    CASTING: tl.constexpr,
+):
     """offset + w in fp32 (rounded to x's dtype in "none" mode)."""
-    scale = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0)
+    scale = offset + weight.to(tl.float32)
     if CASTING == 2:
         scale = _round_to(scale, x_dtype)
     return scale
@@ -50,7 +56,7 @@ def _scale(weight_ptr, cols, col_mask, offset, x_dtype: tl.constexpr, CASTING: t
 @triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, rstd_ptr, n_rows, n_cols,
-    x_stride, residual_stride, out_stride, new_residual_stride, eps, offset,
+    x_stride, residual_stride, out_stride, new_residual_stride, weight_stride, eps, offset,
     CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -76,7 +82,7 @@ def _rms_norm_forward_kernel(
     h = x * rstd[:, None]
     if CASTING != 1:  # llama and none round the normalised value before the weight multiply
         h = _round_to(h, out_dtype)
-    scale = _scale(weight_ptr, cols, col_mask, offset, out_dtype, CASTING)
+    scale = _scale(weight_ptr, weight_stride, cols, col_mask, offset, out_dtype, CASTING)
     y = h * scale[None, :]
     tl.store(out_ptr + rows64 * out_stride + cols[None, :], y.to(out_dtype), mask=mask)
 
@@ -84,7 +90,8 @@ def _rms_norm_forward_kernel(
 @triton.jit
 def _rms_norm_backward_kernel(
     grad_out_ptr, grad_residual_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, partial_ptr,
-    n_rows, n_cols, grad_out_stride, grad_residual_stride, x_stride, grad_x_stride, offset,
+    n_rows, n_cols, grad_out_stride, grad_residual_stride, x_stride, grad_x_stride, weight_stride,
+    offset,
     CASTING: tl.constexpr, HAS_GRAD_RESIDUAL: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
@@ -96,7 +103,7 @@ def _rms_norm_backward_kernel(
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     x_dtype = x_ptr.dtype.element_ty
-    scale = _scale(weight_ptr, cols, col_mask, offset, x_dtype, CASTING)
+    scale = _scale(weight_ptr, weight_stride, cols, col_mask, offset, x_dtype, CASTING)
     grad_weight = tl.zeros([BLOCK_COLS], dtype=tl.float32)
     for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
         rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -177,7 +184,7 @@ def _forward(x, residual, weight, eps, offset, casting):
     plan = _launch_plan(n_cols)
     _rms_norm_forward_kernel[(_utils.cdiv(n_rows, plan.block_rows),)](
         x2, res2, weight, out2, new_res2, rstd, n_rows, n_cols, x2.stride(0), res2.stride(0),
-        out2.stride(0), new_res2.stride(0), eps, offset, CASTING=_CASTING_CODES[casting],
+        out2.stride(0), new_res2.stride(0), weight.stride(0), eps, offset, CASTING=_CASTING_CODES[casting],
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=plan.block_rows,
         BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
     )
@@ -199,7 +206,7 @@ def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_
         dx2 = grad_x.view(-1, n_cols)
         _rms_norm_backward_kernel[(programs,)](
             dy2, dres2, x2, weight, rstd, dx2, partial, n_rows, n_cols, dy2.stride(0),
-            dres2.stride(0), x2.stride(0), dx2.stride(0), offset,
+            dres2.stride(0), x2.stride(0), dx2.stride(0), weight.stride(0), offset,
             CASTING=_CASTING_CODES[casting], HAS_GRAD_RESIDUAL=grad_residual is not None,
             WEIGHT_GRAD=weight_grad, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
             num_warps=plan.num_warps,
@@ -335,12 +342,12 @@ def rms_norm(
         ValueError: weight not [H] with H = x's last dim; x 0-dim or with an empty last dim;
             eps < 0; unknown casting; tensors on different devices; H > 65536 on the kernels.
     """
-    reference.check_rms_norm_args(x, weight, eps, offset, casting)
+    check_rms_norm_args(x, weight, eps, offset, casting)
     if _utils.backend(x) == "reference":
-        return reference.rms_norm(x, weight, eps, offset=offset, casting=casting)
+        return reference_rms_norm(x, weight, eps, offset=offset, casting=casting)
     _check_kernel_limits(x)
     return _RMSNormFunction.apply(
-        x, weight, float(eps), reference.resolve_offset(offset, casting), casting
+        x, weight, float(eps), resolve_offset(offset, casting), casting
     )
 
 
@@ -357,10 +364,10 @@ def add_rms_norm(
     the normed output has that dtype too. x and residual get gradients in their own dtypes.
     Other arguments, dtype rules and errors as :func:`rms_norm`; residual must have x's shape.
     """
-    reference.check_rms_norm_args(x, weight, eps, offset, casting, residual)
+    check_rms_norm_args(x, weight, eps, offset, casting, residual)
     if _utils.backend(x) == "reference":
-        return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting=casting)
+        return reference_add_rms_norm(x, residual, weight, eps, offset=offset, casting=casting)
     _check_kernel_limits(x)
     return _AddRMSNormFunction.apply(
-        x, residual, weight, float(eps), reference.resolve_offset(offset, casting), casting
+        x, residual, weight, float(eps), resolve_offset(offset, casting), casting
     )

@@ -24,7 +24,8 @@ import torch
 
 from fusetune import _utils
 from fusetune._triton import tl, triton
-from fusetune.reference import rope as reference
+from fusetune.reference.rope import check_rope_args
+from fusetune.reference.rope import rope as reference_rope
 
 # ============================================================================ kernels
 
@@ -259,14 +260,14 @@ def rope(
             sin shapes differing or not matching T (or B); rotary_dim odd, larger than D or not
             cos' last dim; an unknown layout; cos or sin requiring grad; different devices.
     """
-    rotary_dim = reference.check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim)
+    rotary_dim = check_rope_args(q, k, cos, sin, position_ids, layout, rotary_dim)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError(
             "cos and sin must not require grad: fusetune.rope gives them no gradient (detach "
             "them; transformers' rotary embedding computes them under no_grad)"
         )
     if _utils.backend(q) == "reference":
-        return reference.rope(
+        return reference_rope(
             q, k, cos, sin, position_ids=position_ids, layout=layout, rotary_dim=rotary_dim,
             interleaved=interleaved,
         )
