@@ -42,7 +42,7 @@ def check_rms_norm_args(
         raise ValueError(f"x must have a non-empty last (hidden) dim, got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"weight must have shape ({x.shape[-1]},), the last dim of x (x is "
+            f"weight must have shape {tuple(x.shape[-1:])}, the last dim of x (x is "
             f"{tuple(x.shape)}), got {tuple(weight.shape)}"
         )
     if residual is not None:

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from fusetune._utils import check_choice, check_floating, check_integer, check_same_device
+from fusetune._utils import (
+    _got,
+    check_choice,
+    check_floating,
+    check_integer,
+    check_same_device,
+)
 
 LAYOUTS = ("BTHD", "BHTD")
 
@@ -49,8 +55,8 @@ def _check_cos_sin(cos, sin, position_ids, batch, seq_len) -> None:
         leading_ok = cos.dim() == 2 or (cos.dim() == 3 and cos.shape[0] in (1, batch))
         if not leading_ok or cos.shape[-2] != seq_len:
             raise ValueError(
-                f"cos and sin must be [T, R], [1, T, R] or [B, T, R] with B={batch}, "
-                f"T={seq_len}, got {_shape(cos)}"
+                f"cos and sin must be [T, R], [1, T, R] or [B, T, R] with (B, T) = "
+                f"{(batch, seq_len)} from q, got {_shape(cos)}"
             )
         return
     if cos.dim() != 2:
@@ -63,8 +69,8 @@ def _check_cos_sin(cos, sin, position_ids, batch, seq_len) -> None:
     )
     if not leading_ok or position_ids.shape[-1] != seq_len:
         raise ValueError(
-            f"position_ids must be [T], [1, T] or [B, T] with B={batch}, T={seq_len}, "
-            f"got {_shape(position_ids)}"
+            f"position_ids must be [T], [1, T] or [B, T] with (B, T) = {(batch, seq_len)} from "
+            f"q, got {_shape(position_ids)}"
         )
 
 
@@ -88,12 +94,15 @@ def check_rope_args(
         raise TypeError(f"rotary_dim must be an int or None, got {type(rotary_dim).__name__}")
     elif rotary_dim != table_dim:
         raise ValueError(
-            f"rotary_dim={rotary_dim} must equal the last dim of cos and sin, got {table_dim}"
+            f"rotary_dim must equal the last dim of cos and sin (shape {_shape(cos)})"
+            f"{_got(rotary_dim)}"
         )
+    # Shapes, not bare sizes, in messages: under dynamic torch.compile a size is symbolic and
+    # Dynamo cannot format it alone.
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(
-            f"rotary_dim (the last dim of cos and sin) must be even and in [2, head_dim="
-            f"{head_dim}], got {rotary_dim}"
+            f"rotary_dim (the last dim of cos and sin, shape {_shape(cos)}) must be even and "
+            f"at most head_dim (the last dim of q, shape {_shape(q)})"
         )
     return rotary_dim
 
