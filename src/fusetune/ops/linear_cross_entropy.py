@@ -230,10 +230,13 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
         if ctx.fused:
-            grads = ctx.saved_tensors
-            for grad in grads:
+            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+            for grad in (grad_hidden, grad_weight):
                 if grad is not None:
-                    ce._scale_op(grad.view(1, -1) if grad.dim() == 1 else grad, grad_loss)
+                    ce._scale_op(grad, grad_loss)  # in place; skipped on the device if 1
+            if grad_bias is not None:  # [V]: small, and not mutated through a view (Inductor)
+                grad_bias = grad_bias * grad_loss.to(grad_bias.dtype)
+            grads = (grad_hidden, grad_weight, grad_bias)
         else:
             hidden, weight, bias, labels, lse = ctx.saved_tensors
             raw = _backward_op(
