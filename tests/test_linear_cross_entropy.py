@@ -351,3 +351,54 @@ def test_launch_shapes_reused_from_cross_entropy(monkeypatch):
     force_launch(monkeypatch, 4, block=32)
     assert ce_module._launch_plan(4, 300, DEVICE).chunks == 4
     run(make_inputs((6,), 16, 300, bias=True), torch.float16, kwargs=dict(chunk_size=4))
+
+
+def test_no_grad_forward_matches():
+    """Evaluation / a reference policy: no gradient work, the same loss."""
+    inputs = make_inputs((10,), 16, 77)
+    hidden, weight = (inputs[k].float().to(DEVICE) for k in ("hidden", "weight"))
+    labels = inputs["labels"].to(DEVICE)
+    with torch.no_grad():
+        got = fusetune.linear_cross_entropy(hidden, weight, labels, reduction="none", chunk_size=3)
+    want = reference_lce(hidden, weight, labels, reduction="none")
+    assert_close("loss", got, want, tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_loss_and_gradient(reduction):
+    hidden = torch.randn(5, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(40, 8, device=DEVICE, requires_grad=True)
+    labels = torch.full((5,), IGNORE, device=DEVICE)
+    loss = fusetune.linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=2)
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss))
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_gradients_accumulate_across_calls():
+    inputs = make_inputs((6,), 8, 50)
+    hidden, weight = (inputs[k].float().to(DEVICE).requires_grad_() for k in ("hidden", "weight"))
+    labels = inputs["labels"].to(DEVICE)
+    fusetune.linear_cross_entropy(hidden, weight, labels, chunk_size=4).backward()
+    first = weight.grad.clone()
+    fusetune.linear_cross_entropy(hidden, weight, labels, chunk_size=4).backward()
+    assert_close("grad weight", weight.grad, 2 * first, 1e-6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="host-device syncs exist only with a GPU")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_host_device_sync(reduction):
+    hidden = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 1000, (300,), device="cuda")
+    fusetune.linear_cross_entropy(hidden, weight, labels, reduction=reduction)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = fusetune.linear_cross_entropy(
+            hidden, weight, labels, reduction=reduction, chunk_size=128, num_items=None
+        )
+        loss.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
