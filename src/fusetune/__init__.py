@@ -6,10 +6,12 @@ the Triton kernels on CPU tensors through Triton's interpreter.
 
 from fusetune import (
     _env,  # noqa: F401  (must run before anything imports triton)
+    gsa,
     nn,
     reference,
 )
 from fusetune._utils import backend
+from fusetune.gsa import gated_slot_attention
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
@@ -23,7 +25,9 @@ __all__ = [
     "add_rms_norm",
     "backend",
     "cross_entropy",
+    "gated_slot_attention",
     "geglu",
+    "gsa",
     "linear_cross_entropy",
     "nn",
     "reference",

@@ -10,10 +10,13 @@ import torch
 from fusetune._triton import INTERPRET, dot, tl, triton
 from fusetune._utils import next_power_of_2
 
-# Matmul operand precision, from the inputs' dtype (fp32 accumulation always):
-# bf16 -> bf16 tensor cores; fp16 -> tf32 (fp16's 10-bit mantissa with fp32's range, so a state
-# that grows past 65504 cannot overflow); fp32 -> IEEE fp32 (tf32 would miss the 1e-5 contract).
-DOT_BF16, DOT_TF32, DOT_IEEE = 0, 1, 2
+# Matmul precision, from the inputs' dtype; accumulation is fp32 always. Products of two input
+# tiles (q k^T, do v^T) take the inputs as they are: bf16/fp16 tensor cores lose nothing there.
+# Products with a computed fp32 operand (states, probabilities, decayed tiles) use tf32 for
+# bf16/fp16 inputs: 8x finer than rounding them to bf16 (the reverse cumsum behind dg cancels
+# heavily and showed 2 % error with bf16 operands), and fp32's range, so a state past 65504
+# cannot overflow an fp16 operand. fp32 inputs use IEEE fp32 (tf32 would miss the 1e-5 contract).
+DOT_BF16, DOT_FP16, DOT_FP32 = 0, 1, 2
 # Gates below this act as this: exp(-88) ~ 6e-39 is 0 to fp32, and clamping keeps the chunk
 # cumsums finite (an exact -inf gate would give inf - inf inside a chunk).
 GATE_FLOOR = -88.0
@@ -22,18 +25,27 @@ MAX_DIM = 256
 
 
 def dot_mode(dtype: torch.dtype) -> int:
-    return {torch.bfloat16: DOT_BF16, torch.float16: DOT_TF32}.get(dtype, DOT_IEEE)
+    return {torch.bfloat16: DOT_BF16, torch.float16: DOT_FP16}.get(dtype, DOT_FP32)
+
+
+@triton.jit
+def mm_inputs(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` (fp32) of two tiles holding input values: exact in the input dtype."""
+    if DOT == 0:
+        return dot(a.to(tl.bfloat16), b.to(tl.bfloat16), None, UPCAST)
+    elif DOT == 1:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
 def mm(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` in fp32, operands rounded per ``DOT`` (see DOT_* above)."""
-    if DOT == 0:
-        return dot(a.to(tl.bfloat16), b.to(tl.bfloat16), None, UPCAST)
-    elif DOT == 1:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    """``a @ b`` (fp32) with computed fp32 operands: tf32 for bf16/fp16 inputs, else IEEE."""
+    if DOT == 2:
+        return tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """``fusetune.gated_slot_attention``: argument checks, dispatch, custom ops and autograd.
 
 Math of the backward (per sequence and head; G = cumsum of g, both passes share it):
-    dHk_t = scale q_t^T da_t + exp(g_{t+1}) * dHk_{t+1}       dHv_t = p_t^T do_t + exp(g_{t+1}) * dHv_{t+1}
+    dHk_t = scale q_t^T da_t + exp(g_{t+1}) * dHk_{t+1}
+    dHv_t = p_t^T do_t + exp(g_{t+1}) * dHv_{t+1}
     dq_t = scale da_t @ Hk_t^T      dk_t = dHk_t @ s_t         dv_t = s_t @ dHv_t
     ds_t = k_t @ dHk_t + dHv_t @ v_t
     dp_t = do_t @ Hv_t^T, da_t = p_t * (dp_t - <p_t, dp_t>)     (softmax backward)

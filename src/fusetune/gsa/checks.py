@@ -90,7 +90,8 @@ def check_gsa_args(
         )
     _utils.check_number("scale", scale, optional=True)
     if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+        got = type(output_final_state).__name__
+        raise TypeError(f"output_final_state must be a bool, got {got}")
     n_seq = batch if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, batch, seq_len)
     shapes = Shapes(batch, seq_len, q_heads, heads, key_dim, value_dim, slots, n_seq)
     if initial_state is not None:

@@ -1,8 +1,275 @@
-"""Chunked GSA kernels (in progress)."""
+"""Chunked GSA kernels: one program per (sequence, query head) walks the sequence in chunks of
+BT tokens with both states [K, M] and [M, V] in fp32 registers. Inside a chunk everything is
+matmuls plus one exact decay tensor W[i, j, m] = exp(G_i - G_j) (i >= j, else 0; G the
+chunk-local cumsum of the gates, fp32): every factor is <= 1, so no gate however negative can
+overflow, unlike factorising exp(G_i) * exp(-G_j). Across chunks the carried states move with
+exp(G_last - G_j) <= 1 too. Backward recomputes the states instead of storing one per chunk.
 
-from fusetune.gsa.fused_recurrent import bwd_a_kernel, bwd_b_kernel, fwd_kernel  # noqa: F401
+Per chunk (scale folded into the fp32 products; e = exp(G), rows i, j in the chunk):
+    a  = e * (q @ Hk) + sum_j (q_i . k_j) s_j W[i, j]          p = softmax(a)
+    o  = (p e) @ Hv + A @ v,   A[i, j] = sum_m p_i s_j W[i, j]
+    Hk = Hk * exp(G_last) + k^T (s exp(G_last - G));  Hv likewise with s^T v.
+Sweep A adds dp = e * (do @ Hv^T) + sum_j (do_i . v_j) s_j W[i, j], da = softmax'(dp) and
+dq = (da e) @ Hk^T + B @ k, B[i, j] = sum_m da_i s_j W[i, j]. Sweep B runs the chunks in reverse
+with the state gradients dHk, dHv (see ``api`` for the math).
+"""
+
+from __future__ import annotations
+
+from fusetune._triton import tl, triton
+from fusetune.gsa._common import load_gate, mm, mm_inputs, sequence_bounds
+
+CHUNK = 16  # tokens per chunk: W is BT x BT x M fp32 values in registers
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
-    raise NotImplementedError("gated_slot_attention(mode='chunk') is not available yet; "
-                              "use mode='recurrent'")
+    return dict(BT=CHUNK, num_warps=4)
+
+
+@triton.jit
+def _tile(ptr, rows, stride_t, row_mask, cols, col_mask):
+    """A [rows, cols] tile as fp32, 0 outside the masks."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
+def _store(ptr, rows, stride_t, row_mask, cols, col_mask, value):
+    mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(ptr + rows[:, None] * stride_t + cols[None, :], value.to(ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _chunk_gates(g, rows, stride_t, row_mask, cm, mm_, BT: tl.constexpr):
+    """Chunk-local cumsum G [BT, BM] (rows past the end repeat the last value), G_last [BM],
+    and W[i, j, m] = exp(G_i - G_j) for i >= j, else 0."""
+    gate = load_gate(g + rows[:, None] * stride_t + cm[None, :], row_mask[:, None] & mm_[None, :])
+    cum = tl.cumsum(gate, axis=0)
+    last = tl.sum(gate, axis=0)
+    ti = tl.arange(0, BT)
+    causal = (ti[:, None] >= ti[None, :])[:, :, None]
+    w = tl.exp(tl.where(causal, cum[:, None, :] - cum[None, :, :], float("-inf")))
+    return cum, last, w
+
+
+@triton.jit
+def _scores(q_c, k_c, s_c, w, hk, e, scale, mm_, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """Slot scores a [BT, BM] (-inf on padded slots), their softmax p, and q k^T * scale."""
+    qk = mm_inputs(q_c, tl.trans(k_c), DOT, UPCAST) * scale
+    a = e * mm(q_c, hk, DOT, UPCAST) * scale + tl.sum(qk[:, :, None] * s_c[None, :, :] * w, axis=1)
+    a = tl.where(mm_[None, :], a, float("-inf"))
+    p = tl.exp(a - tl.max(a, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    return a, p, qk
+
+
+@triton.jit
+def _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """Both states carried over one chunk."""
+    sd = s_c * tl.exp(last[None, :] - cum)
+    decay = tl.exp(last)
+    hk = hk * decay[None, :] + mm(tl.trans(k_c), sd, DOT, UPCAST)
+    hv = hv * decay[:, None] + mm(tl.trans(sd), v_c, DOT, UPCAST)
+    return hk, hv
+
+
+@triton.jit
+def fwd_kernel(
+    q, k, v, s, g, o, hk0, hv0, hkT, hvT, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
+    so_b, so_t, so_h, scale, T, HQ, GROUP: tl.constexpr, K, V, M,
+    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
+    BT: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i_n, i_hq = pid // HQ, pid % HQ
+    i_h = i_hq // GROUP
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    mk, mv, mm_ = ck < K, cv < V, cm < M
+    q += i_b * sq_b + i_hq * sq_h
+    k += i_b * sk_b + i_h * sk_h
+    v += i_b * sv_b + i_h * sv_h
+    s += i_b * ss_b + i_h * ss_h
+    g += i_b * sg_b + i_h * sg_h
+    o += i_b * so_b + i_hq * so_h
+    pk = ck[:, None] * M + cm[None, :]
+    pv = cm[:, None] * V + cv[None, :]
+    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
+    state = i_n * (HQ // GROUP) + i_h
+    hk = tl.zeros([BK, BM], dtype=tl.float32)
+    hv = tl.zeros([BM, BV], dtype=tl.float32)
+    if HAS_H0:
+        hk += tl.load(hk0 + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
+        hv += tl.load(hv0 + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+    for start in range(bos, eos, BT):
+        rows = start + tl.arange(0, BT).to(tl.int64)
+        mt = rows < eos
+        q_c = _tile(q, rows, sq_t, mt, ck, mk)
+        k_c = _tile(k, rows, sk_t, mt, ck, mk)
+        v_c = _tile(v, rows, sv_t, mt, cv, mv)
+        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
+        cum, last, w = _chunk_gates(g, rows, sg_t, mt, cm, mm_, BT)
+        e = tl.exp(cum)
+        a, p, qk = _scores(q_c, k_c, s_c, w, hk, e, scale, mm_, DOT, UPCAST)
+        attn = tl.sum(p[:, None, :] * s_c[None, :, :] * w, axis=2)
+        o_c = mm(p * e, hv, DOT, UPCAST) + mm(attn, v_c, DOT, UPCAST)
+        _store(o, rows, so_t, mt, cv, mv, o_c)
+        hk, hv = _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT, UPCAST)
+    if STORE_HT:
+        if i_hq % GROUP == 0:  # one query head of a group writes the shared state
+            tl.store(hkT + state * K * M + pk, hk, mask=mask_k)
+            tl.store(hvT + state * M * V + pv, hv, mask=mask_v)
+
+
+@triton.jit
+def bwd_a_kernel(
+    q, k, v, s, g, do, dq, p_buf, da_buf, r_buf, f_buf, hk0, hv0, dhkT, dhvT, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
+    sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, sw_b, sw_t, sw_h, scale, T, HQ,
+    GROUP: tl.constexpr, K, V, M, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+    HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    UPCAST: tl.constexpr, BT: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i_n, i_hq = pid // HQ, pid % HQ
+    i_h = i_hq // GROUP
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    mk, mv, mm_ = ck < K, cv < V, cm < M
+    q += i_b * sq_b + i_hq * sq_h
+    k += i_b * sk_b + i_h * sk_h
+    v += i_b * sv_b + i_h * sv_h
+    s += i_b * ss_b + i_h * ss_h
+    g += i_b * sg_b + i_h * sg_h
+    do += i_b * sdo_b + i_hq * sdo_h
+    dq += i_b * sdq_b + i_hq * sdq_h
+    w_off = i_b * sw_b + i_hq * sw_h
+    p_buf += w_off
+    da_buf += w_off
+    r_buf += w_off
+    pk = ck[:, None] * M + cm[None, :]
+    pv = cm[:, None] * V + cv[None, :]
+    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
+    state = i_n * (HQ // GROUP) + i_h
+    hk = tl.zeros([BK, BM], dtype=tl.float32)
+    hv = tl.zeros([BM, BV], dtype=tl.float32)
+    if HAS_H0:
+        hk += tl.load(hk0 + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
+        hv += tl.load(hv0 + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+    for start in range(bos, eos, BT):
+        rows = start + tl.arange(0, BT).to(tl.int64)
+        mt = rows < eos
+        q_c = _tile(q, rows, sq_t, mt, ck, mk)
+        k_c = _tile(k, rows, sk_t, mt, ck, mk)
+        v_c = _tile(v, rows, sv_t, mt, cv, mv)
+        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
+        do_c = _tile(do, rows, sdo_t, mt, cv, mv)
+        cum, last, w = _chunk_gates(g, rows, sg_t, mt, cm, mm_, BT)
+        e = tl.exp(cum)
+        a, p, qk = _scores(q_c, k_c, s_c, w, hk, e, scale, mm_, DOT, UPCAST)
+        dov = mm_inputs(do_c, tl.trans(v_c), DOT, UPCAST)
+        dp = e * mm(do_c, tl.trans(hv), DOT, UPCAST) + tl.sum(
+            dov[:, :, None] * s_c[None, :, :] * w, axis=1)
+        da = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+        b = tl.sum(da[:, None, :] * s_c[None, :, :] * w, axis=2)
+        dq_c = (mm(da * e, tl.trans(hk), DOT, UPCAST) + mm(b, k_c, DOT, UPCAST)) * scale
+        r = tl.where(mm_[None, :], a * da + p * dp, 0.0)
+        _store(dq, rows, sdq_t, mt, ck, mk, dq_c)
+        _store(p_buf, rows, sw_t, mt, cm, mm_, p)
+        _store(da_buf, rows, sw_t, mt, cm, mm_, da)
+        _store(r_buf, rows, sw_t, mt, cm, mm_, r)
+        hk, hv = _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT, UPCAST)
+    final = tl.zeros([BM], dtype=tl.float32)
+    if HAS_DHT:
+        if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
+            dhk = tl.load(dhkT + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
+            dhv = tl.load(dhvT + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+            final = tl.sum(dhk * hk, axis=0) + tl.sum(dhv * hv, axis=1)
+    tl.store(f_buf + pid * M + cm, final, mask=mm_)
+
+
+@triton.jit
+def bwd_b_kernel(
+    q, k, v, s, g, do, p_buf, da_buf, r_buf, f_buf, dhkT, dhvT, dk, dv, ds, dg, dhk0, dhv0, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
+    sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+    sds_b, sds_t, sds_h, sdg_b, sdg_t, sdg_h, scale, T, HQ, GROUP: tl.constexpr, K, V, M,
+    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, HAS_DHT: tl.constexpr,
+    VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i_n, i_hq = pid // HQ, pid % HQ
+    i_h = i_hq // GROUP
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    mk, mv, mm_ = ck < K, cv < V, cm < M
+    q += i_b * sq_b + i_hq * sq_h
+    k += i_b * sk_b + i_h * sk_h
+    v += i_b * sv_b + i_h * sv_h
+    s += i_b * ss_b + i_h * ss_h
+    g += i_b * sg_b + i_h * sg_h
+    do += i_b * sdo_b + i_hq * sdo_h
+    w_off = i_b * sw_b + i_hq * sw_h
+    p_buf += w_off
+    da_buf += w_off
+    r_buf += w_off
+    # Gradient outputs have one head per query head (summed over a group on the host).
+    dk += i_b * sdk_b + i_hq * sdk_h
+    dv += i_b * sdv_b + i_hq * sdv_h
+    ds += i_b * sds_b + i_hq * sds_h
+    dg += i_b * sdg_b + i_hq * sdg_h
+    pk = ck[:, None] * M + cm[None, :]
+    pv = cm[:, None] * V + cv[None, :]
+    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
+    state = i_n * (HQ // GROUP) + i_h
+    # Gradients w.r.t. the states after the chunk being processed (from the chunks after it).
+    dhk = tl.zeros([BK, BM], dtype=tl.float32)
+    dhv = tl.zeros([BM, BV], dtype=tl.float32)
+    if HAS_DHT:
+        if i_hq % GROUP == 0:
+            dhk += tl.load(dhkT + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
+            dhv += tl.load(dhvT + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+    dg_run = tl.load(f_buf + pid * M + cm, mask=mm_, other=0.0)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    for i in range(0, n_chunks):
+        rows = bos + (n_chunks - 1 - i) * BT + tl.arange(0, BT).to(tl.int64)
+        mt = rows < eos
+        q_c = _tile(q, rows, sq_t, mt, ck, mk)
+        k_c = _tile(k, rows, sk_t, mt, ck, mk)
+        v_c = _tile(v, rows, sv_t, mt, cv, mv)
+        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
+        do_c = _tile(do, rows, sdo_t, mt, cv, mv)
+        p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
+        da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
+        r = _tile(r_buf, rows, sw_t, mt, cm, mm_)
+        cum, last, w = _chunk_gates(g, rows, sg_t, mt, cm, mm_, BT)
+        e = tl.exp(cum)
+        to_end = tl.exp(last[None, :] - cum)
+        sd = s_c * to_end
+        # Row i' (later token) x column i (earlier token) matrices of the chunk.
+        qk = mm_inputs(q_c, tl.trans(k_c), DOT, UPCAST) * scale
+        dov = mm_inputs(do_c, tl.trans(v_c), DOT, UPCAST)
+        b = tl.sum(da[:, None, :] * s_c[None, :, :] * w, axis=2)
+        attn = tl.sum(p[:, None, :] * s_c[None, :, :] * w, axis=2)
+        dk_c = mm(sd, tl.trans(dhk), DOT, UPCAST) + mm(tl.trans(b), q_c, DOT, UPCAST) * scale
+        dv_c = mm(sd, dhv, DOT, UPCAST) + mm(tl.trans(attn), do_c, DOT, UPCAST)
+        ds_c = to_end * (mm(k_c, dhk, DOT, UPCAST) + mm(v_c, tl.trans(dhv), DOT, UPCAST))
+        ds_c += tl.sum(w * (qk[:, :, None] * da[:, None, :] + dov[:, :, None] * p[:, None, :]),
+                       axis=0)
+        x = r - s_c * ds_c  # dL/dG per token; dg is its reverse running sum
+        total = tl.sum(x, axis=0)
+        dg_c = dg_run[None, :] + total[None, :] - tl.cumsum(x, axis=0) + x
+        dg_run += total
+        _store(dk, rows, sdk_t, mt, ck, mk, dk_c)
+        _store(dv, rows, sdv_t, mt, cv, mv, dv_c)
+        _store(ds, rows, sds_t, mt, cm, mm_, ds_c)
+        _store(dg, rows, sdg_t, mt, cm, mm_, dg_c)
+        decay = tl.exp(last)
+        dhk = dhk * decay[None, :] + mm(tl.trans(q_c), da * e, DOT, UPCAST) * scale
+        dhv = dhv * decay[:, None] + mm(tl.trans(p * e), do_c, DOT, UPCAST)
+    tl.store(dhk0 + pid * K * M + pk, dhk, mask=mask_k)
+    tl.store(dhv0 + pid * M * V + pv, dhv, mask=mask_v)

@@ -1,0 +1,313 @@
+"""fusetune.gated_slot_attention (chunk and recurrent kernels) against fusetune.gsa.naive in
+float64, and naive against a direct float64 loop.
+
+Tolerances: GSA chains two recurrent passes and a softmax, and dg is a reverse running sum of
+differences that cancel, so fp16 gets 4e-3 instead of the single-pass 1e-3 (on the GPU products
+of computed fp32 operands are tf32: fp16's 10-bit mantissa, several in a chain). fp32 and bf16
+keep the harness's 1e-5 and 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusetune
+import harness
+from fusetune.gsa import naive
+from harness import DEVICE, ON_GPU, assert_close, assert_raises, check_op, matrix, uses_kernels
+
+GSA_TOLERANCES = {torch.float16: 4e-3}
+ALGOS = ["chunk", "recurrent"]
+
+
+@pytest.fixture(autouse=True)
+def _gsa_tolerances(monkeypatch):
+    for dtype, tol in GSA_TOLERANCES.items():
+        monkeypatch.setitem(harness.TOLERANCES, dtype, tol)
+
+
+def make_inputs(batch=2, seq_len=37, q_heads=4, heads=2, key_dim=12, value_dim=20, slots=10,
+                *, layout="BTHD", n_seq=None, initial_state=True, gate_scale=1.0):
+    """Random inputs as a layer makes them: g = logsigmoid(f) / 4 (some strongly negative),
+    s = 1 - exp(g); initial states (rounded to the tested dtype with the rest: check_op shares
+    the tensors it does not round between the op and the reference)."""
+
+    def shape(heads_, dim):
+        return (batch, seq_len, heads_, dim) if layout == "BTHD" else (batch, heads_, seq_len, dim)
+
+    f = torch.randn(shape(heads, slots), dtype=torch.float64) * 2 * gate_scale
+    g = F.logsigmoid(f) / 4
+    inputs = {
+        "q": torch.randn(shape(q_heads, key_dim), dtype=torch.float64),
+        "k": torch.randn(shape(heads, key_dim), dtype=torch.float64),
+        "v": torch.randn(shape(heads, value_dim), dtype=torch.float64),
+        "s": 1 - g.exp(),
+        "g": g,
+    }
+    if initial_state:
+        n = batch if n_seq is None else n_seq
+        inputs["hk0"] = torch.randn(n, heads, key_dim, slots, dtype=torch.float64) * 0.5
+        inputs["hv0"] = torch.randn(n, heads, slots, value_dim, dtype=torch.float64) * 0.5
+    return inputs
+
+
+def with_states(fn, **fixed):
+    """``fn`` with the initial states as two tensor arguments and (o, hk, hv) as the result,
+    the form check_op compares."""
+
+    def run(q, k, v, s, g, hk0=None, hv0=None, **kwargs):
+        state = None if hk0 is None else (hk0, hv0)
+        o, (hk, hv) = fn(q, k, v, s, g, initial_state=state, output_final_state=True,
+                         **fixed, **kwargs)
+        return o, hk, hv
+
+    return run
+
+
+def run_check(inputs, dtype, algo, **kw):
+    autocast = kw.get("autocast")
+    return check_op(
+        with_states(fusetune.gated_slot_attention, mode=algo),
+        with_states(naive),
+        inputs,
+        dtype=dtype,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[autocast or dtype, torch.float32, torch.float32],
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+def direct_loop(q, k, v, s, g, hk0, hv0, scale):
+    """The recurrence with one Python loop per batch, head and token, float64 throughout."""
+    batch, seq_len, q_heads, _ = q.shape
+    group = q_heads // k.shape[2]
+    o = torch.zeros(batch, seq_len, q_heads, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for hq in range(q_heads):
+            h = hq // group
+            hk, hv = hk0[b, h].clone(), hv0[b, h].clone()
+            scores = []
+            for t in range(seq_len):
+                hk = hk * g[b, t, h].exp()[None, :] + torch.outer(k[b, t, h], s[b, t, h])
+                scores.append((scale * q[b, t, hq]) @ hk)
+            for t in range(seq_len):
+                hv = hv * g[b, t, h].exp()[:, None] + torch.outer(s[b, t, h], v[b, t, h])
+                o[b, t, hq] = torch.softmax(scores[t], dim=0) @ hv
+    return o
+
+
+def test_naive_matches_direct_loop():
+    x = make_inputs(batch=2, seq_len=9, q_heads=4, heads=2, key_dim=3, value_dim=5, slots=4)
+    want = direct_loop(x["q"], x["k"], x["v"], x["s"], x["g"], x["hk0"].double(),
+                       x["hv0"].double(), 0.7)
+    got = naive(x["q"], x["k"], x["v"], x["s"], x["g"], scale=0.7,
+                initial_state=(x["hk0"].double(), x["hv0"].double()))
+    assert_close("naive", got, want, 1e-12)
+    # Default scale K^-0.5, no initial state, BHTD layout: the same function.
+    zero = (torch.zeros_like(x["hk0"]).double(), torch.zeros_like(x["hv0"]).double())
+    want = direct_loop(x["q"], x["k"], x["v"], x["s"], x["g"], *zero, 3**-0.5)
+    t = [x[n].transpose(1, 2) for n in "qkvsg"]
+    assert_close("naive BHTD", naive(*t, layout="BHTD").transpose(1, 2), want, 1e-12)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@matrix()
+def test_matrix(algo, dtype, autocast, mode, layout):
+    """Outputs, final states and every gradient (q, k, v, s, g, initial states), with grouped
+    queries and sizes that pad every block (T = 21 is not a multiple of the chunk; the token
+    loop of the recurrent kernel is slow under the interpreter, so it gets T = 8)."""
+    assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
+    inputs = make_inputs(batch=2, seq_len=21 if algo == "chunk" else 8, q_heads=2, heads=1)
+    run_check(inputs, dtype, algo, mode=mode, autocast=autocast, layout=layout)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bhtd_layout(algo, dtype):
+    seq_len = 40 if algo == "chunk" else 20
+    inputs = make_inputs(batch=1, seq_len=seq_len, q_heads=3, heads=1, layout="BHTD")
+    run_check(inputs, dtype, algo, kwargs=dict(layout="BHTD"), layout="noncontiguous")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_larger_dims_and_scale(algo):
+    """K = V = M = 32 (no padding), more chunks, an explicit scale, no initial state."""
+    inputs = make_inputs(batch=1, seq_len=70 if algo == "chunk" else 30, q_heads=2, heads=2,
+                         key_dim=32, value_dim=32,
+                         slots=32, initial_state=False)
+    run_check(inputs, torch.bfloat16, algo, kwargs=dict(scale=0.3))
+
+
+def per_sequence(fn, offsets):
+    """``fn`` run on each packed sequence alone, results concatenated: the varlen oracle."""
+
+    def run(q, k, v, s, g, hk0, hv0, **kwargs):
+        outs, hks, hvs = [], [], []
+        for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            part = [x[:, start:end] for x in (q, k, v, s, g)]
+            o, hk, hv = with_states(fn)(*part, hk0[n:n + 1], hv0[n:n + 1], **kwargs)
+            outs.append(o)
+            hks.append(hk)
+            hvs.append(hv)
+        return torch.cat(outs, dim=1), torch.cat(hks), torch.cat(hvs)
+
+    return run
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize(
+    "dtype,cu_dtype", [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)],
+    ids=["fp32-i64", "bf16-i32"],
+)
+def test_varlen_matches_per_sequence_runs(algo, dtype, cu_dtype):
+    """Packed sequences (one empty, one of a single token, lengths off the chunk grid) give what
+    each sequence gives alone: no state crosses a boundary; states per sequence."""
+    offsets = [0, 5, 5, 22, 23, 41]
+    inputs = make_inputs(batch=1, seq_len=offsets[-1], q_heads=2, heads=1,
+                         n_seq=len(offsets) - 1)
+    cu = torch.tensor(offsets, dtype=cu_dtype, device=DEVICE)
+    check_op(
+        with_states(fusetune.gated_slot_attention, mode=algo, cu_seqlens=cu),
+        per_sequence(naive, offsets),
+        inputs,
+        dtype=dtype,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[dtype, torch.float32, torch.float32],
+    )
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_decoding_single_token(algo):
+    """T = 1 with a carried state: one decoding step."""
+    inputs = make_inputs(batch=3, seq_len=1, q_heads=4, heads=2)
+    run_check(inputs, torch.bfloat16, algo)
+
+
+def test_chunk_and_recurrent_agree_in_bf16():
+    x = {n: t.to(DEVICE) for n, t in make_inputs(batch=1, seq_len=40, q_heads=2).items()}
+    args = [x[n].to(torch.bfloat16) for n in "qkvsg"]
+    state = (x["hk0"].float(), x["hv0"].float())
+    outs = [
+        fusetune.gated_slot_attention(*args, initial_state=state, output_final_state=True,
+                                      mode=algo)
+        for algo in ALGOS
+    ]
+    assert_close("o", outs[0][0], outs[1][0], 1e-2)
+    for a, b in zip(outs[0][1], outs[1][1], strict=True):
+        assert_close("final state", a, b, 1e-2)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_extreme_gates(algo):
+    """Gates of -30, -1e4 and -inf (a full reset) inside a chunk: finite and exact; the kernels
+    never form exp(-G), which would overflow."""
+    inputs = make_inputs(batch=1, seq_len=33, q_heads=2, heads=1)
+    g = inputs["g"]
+    g[:, 3] = -30.0
+    g[:, 10, :, ::2] = -1e4
+    g[:, 20, :, 1::3] = -float("inf")
+    inputs["s"] = 1 - g.exp()
+    result = check_op(
+        with_states(fusetune.gated_slot_attention, mode=algo),
+        with_states(naive),
+        {n: t for n, t in inputs.items() if n != "g"} | {"g": g},
+        dtype=torch.float32,
+        cast=list(inputs),
+        grad=["q", "k", "v", "s", "hk0", "hv0"],
+        output_dtypes=[torch.float32] * 3,
+    )
+    assert all(torch.isfinite(x).all() for x in result.outputs)
+
+
+def test_gate_gradient_with_very_negative_gates():
+    """dg stays finite and matches where exp(g) underflows (-100: exp is 4e-44)."""
+    inputs = make_inputs(batch=1, seq_len=24, q_heads=1, heads=1)
+    inputs["g"][:, 7] = -100.0
+    inputs["s"] = 1 - inputs["g"].exp()
+    run_check(inputs, torch.float32, "chunk", atol=1e-6)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gradients_without_final_state_and_initial_state(algo):
+    """The plain call: o only; gradients for q, k, v, s, g."""
+    inputs = make_inputs(batch=1, seq_len=19, q_heads=2, heads=2, initial_state=False)
+    check_op(
+        lambda **kw: fusetune.gated_slot_attention(**kw, mode=algo),
+        naive,
+        inputs,
+        dtype=torch.bfloat16,
+        cast=list(inputs),
+        grad=list(inputs),
+    )
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1000 is slow under the interpreter")
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_long_sequences_gpu(algo, dtype):
+    inputs = make_inputs(batch=2, seq_len=1000, q_heads=4, heads=2, key_dim=64, value_dim=64,
+                         slots=64)
+    run_check(inputs, dtype, algo)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_bad_input(mode):
+    call = fusetune.gated_slot_attention
+    if mode == "compile":
+        call = torch.compile(call, backend="aot_eager", fullgraph=True, dynamic=True)
+    x = {n: t.float().to(DEVICE) for n, t in make_inputs(batch=1, seq_len=8).items()}
+    q, k, v, s, g = (x[n] for n in "qkvsg")
+    assert_raises(ValueError, "v must have|k's head count", call, q, k, v[:, :, :1], s, g)
+    assert_raises(ValueError, "s must have", call, q, k, v, s[:, :4], g)
+    assert_raises(ValueError, "g must be shaped like s", call, q, k, v, s, g[..., :3])
+    assert_raises(ValueError, "k's last dim must equal q's", call, q, k[..., :5], v, s, g)
+    assert_raises(ValueError, "multiple of", call, q[:, :, :3], k, v, s, g)
+    assert_raises(ValueError, "q must be [B, T, H, D]", call, q[0], k, v, s, g)
+    assert_raises(ValueError, "layout|'THD'", call, q, k, v, s, g, layout="THD")
+    assert_raises(ValueError, "mode|'fast'", call, q, k, v, s, g, mode="fast")
+    assert_raises(TypeError, "share one dtype", call, q, k.half(), v, s, g)
+    assert_raises(TypeError, "q must be a floating-point", call, q.long(), k, v, s, g)
+    bad_state = (x["hk0"][:, :, :3], x["hv0"])
+    assert_raises(ValueError, "initial_state[0] must be", call, q, k, v, s, g,
+                  initial_state=bad_state)
+    assert_raises(TypeError, "initial_state must be a pair", call, q, k, v, s, g,
+                  initial_state=x["hk0"])
+    cu = torch.tensor([0, 3, 8], device=DEVICE)
+    assert_raises(ValueError, "batch size must be 1", call, *(t.repeat(2, 1, 1, 1) for t in
+                                                               (q, k, v, s, g)), cu_seqlens=cu)
+    assert_raises(TypeError, "cu_seqlens must be an integer", call, q, k, v, s, g,
+                  cu_seqlens=cu.float())
+
+
+def test_bad_cu_seqlens_values():
+    """Value checks (CPU tensors: on the GPU they would cost a host sync)."""
+    x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
+    args = [x[n] for n in "qkvsg"]
+    call = fusetune.gated_slot_attention
+    for offsets, words in [([1, 3, 8], "start at 0"), ([0, 5, 3, 8], "non-decreasing"),
+                           ([0, 3, 7], "end at T = 8")]:
+        assert_raises(ValueError, f"cu_seqlens|{words}", call, *args,
+                      cu_seqlens=torch.tensor(offsets))
+
+
+def test_positive_gates_rejected_on_cpu():
+    x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
+    g = x["g"].clone()
+    g[0, 3, 0, 1] = 0.5
+    assert_raises(ValueError, "g holds log forget gates|<= 0", fusetune.gated_slot_attention,
+                  x["q"], x["k"], x["v"], x["s"], g)
+    assert_raises(ValueError, "g holds log forget gates", naive, x["q"], x["k"], x["v"], x["s"], g)
