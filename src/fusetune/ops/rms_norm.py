@@ -184,9 +184,9 @@ def _forward(x, residual, weight, eps, offset, casting):
     plan = _launch_plan(n_cols)
     _rms_norm_forward_kernel[(_utils.cdiv(n_rows, plan.block_rows),)](
         x2, res2, weight, out2, new_res2, rstd, n_rows, n_cols, x2.stride(0), res2.stride(0),
-        out2.stride(0), new_res2.stride(0), weight.stride(0), eps, offset, CASTING=_CASTING_CODES[casting],
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=plan.block_rows,
-        BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
+        out2.stride(0), new_res2.stride(0), weight.stride(0), eps, offset,
+        CASTING=_CASTING_CODES[casting], HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
     )
     return out, new_residual, rstd
 
