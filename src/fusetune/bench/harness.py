@@ -36,7 +36,11 @@ import torch
 # so a broken or slow cases file for one op never gets in the way of benchmarking another.
 CASE_MODULES: dict[str, str] = {
     "cross_entropy": "fusetune.bench.cases_cross_entropy",
+    "gated_slot_attention": "fusetune.bench.cases_gsa",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
+    "rms_norm": "fusetune.bench.cases_rms_norm",
+    "rope": "fusetune.bench.cases_rope",
+    "swiglu": "fusetune.bench.cases_swiglu",
 }
 
 GIB = float(1024**3)
