@@ -1,0 +1,109 @@
+"""Benchmark cases for fusetune.rms_norm and add_rms_norm: bf16, forward + backward with the
+weight gradient.
+
+Providers: fusetune, torch eager as transformers' LlamaRMSNorm computes it, torch.compile of
+that, and Liger-Kernel's LigerRMSNorm / LigerFusedAddRMSNorm (their defaults) when importable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import fusetune
+from fusetune.bench.harness import Case, register
+
+SHAPES = [(16384, 4096), (16384, 2304)]
+CPU_SHAPE = (64, 384)
+EPS = 1e-6
+BF16_BYTES = 2
+
+
+def _torch_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * hidden.to(x.dtype)
+
+
+def _torch_add_norm(x, residual, weight):
+    new_residual = x + residual
+    return _torch_norm(new_residual, weight), new_residual
+
+
+def _step(run: Callable[[], object], grads: list[torch.Tensor], leaves: list[torch.Tensor]):
+    def step() -> None:
+        outputs = run()
+        outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        torch.autograd.backward(outputs, grads[: len(outputs)])
+        for leaf in leaves:
+            leaf.grad = None
+
+    return step
+
+
+def _liger(kind: str, hidden: int, device: torch.device):
+    try:
+        if kind == "add":
+            from liger_kernel.transformers import LigerFusedAddRMSNorm as Module
+        else:
+            from liger_kernel.transformers import LigerRMSNorm as Module
+    except ImportError:
+        return None
+    return Module(hidden, eps=EPS).to(device, torch.bfloat16)
+
+
+def _make(rows: int, hidden: int, add: bool):
+    def make(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
+        n, h = (rows, hidden) if device.type == "cuda" else CPU_SHAPE
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        x = (torch.randn(n, h, device=device) * 2).to(dtype).requires_grad_()
+        residual = (torch.randn(n, h, device=device) * 2).to(dtype).requires_grad_()
+        weight = (torch.rand(h, device=device) + 0.5).to(dtype).requires_grad_()
+        grads = [torch.randn(n, h, device=device, dtype=dtype) for _ in range(2)]
+        leaves = [x, residual, weight] if add else [x, weight]
+        if add:
+            ours = lambda: fusetune.add_rms_norm(x, residual, weight, EPS)  # noqa: E731
+            eager, args = _torch_add_norm, (x, residual, weight)
+        else:
+            ours = lambda: fusetune.rms_norm(x, weight, EPS)  # noqa: E731
+            eager, args = _torch_norm, (x, weight)
+        providers = {
+            "fusetune": _step(ours, grads, leaves),
+            "torch": _step(lambda: eager(*args), grads, leaves),
+        }
+        if device.type == "cuda":
+            compiled = torch.compile(eager)
+            providers["torch.compile"] = _step(lambda: compiled(*args), grads, leaves)
+            liger = _liger("add" if add else "norm", h, device)
+            if liger is not None:
+                with torch.no_grad():
+                    liger.weight.copy_(weight)
+                liger_leaves = [x, residual, liger.weight] if add else [x, liger.weight]
+                liger_args = (x, residual) if add else (x,)
+                providers["liger"] = _step(lambda: liger(*liger_args), grads, liger_leaves)
+        return providers
+
+    return make
+
+
+def _floor_bytes(rows: int, hidden: int, add: bool) -> Callable[[bool], float]:
+    # forward reads x (and the residual) and writes y (and the new residual); backward reads
+    # the norm input and dy (and the new residual's gradient) and writes dx (and dresidual)
+    tensors = 9 if add else 5
+    return lambda quick: float(tensors * rows * hidden * BF16_BYTES)
+
+
+for _rows, _hidden in SHAPES:
+    for _add in (False, True):
+        if _add and _hidden != 4096:
+            continue
+        register(
+            Case(
+                op="rms_norm",
+                name=f"{_rows}x{_hidden} bf16" + (" add+norm" if _add else ""),
+                make=_make(_rows, _hidden, _add),
+                floor_bytes=_floor_bytes(_rows, _hidden, _add),
+            )
+        )
