@@ -1,5 +1,6 @@
 """torch.nn.Module wrappers of fusetune's ops."""
 
+from fusetune.nn.gsa import GatedSlotAttention
 from fusetune.nn.loss import CrossEntropyLoss, LinearCrossEntropyLoss
 from fusetune.nn.mlp import GatedMLP, GeGLUMLP, SwiGLUMLP
 from fusetune.nn.norm import RMSNorm
@@ -8,6 +9,7 @@ from fusetune.nn.rope import RotaryEmbedding
 __all__ = [
     "CrossEntropyLoss",
     "GatedMLP",
+    "GatedSlotAttention",
     "GeGLUMLP",
     "LinearCrossEntropyLoss",
     "RMSNorm",
