@@ -105,8 +105,18 @@ def test_none_casting_rounds_like_the_input_dtype(dtype):
 
 
 def test_single_column():
-    """H = 1: y = sign(x) * w up to eps, and dx is almost exactly 0 (hence the atol)."""
-    run_norm(make_inputs((5, 1)), torch.float32, atol=1e-6)
+    """H = 1: y = x / sqrt(x^2 + eps) * w. dx = rstd dy w (1 - h^2) cancels; a large eps keeps
+    1 - h^2 away from 0, so the comparison measures the kernel, not fp32 cancellation."""
+    check_op(
+        fusetune.rms_norm,
+        reference_rms_norm,
+        make_inputs((5, 1)),
+        dtype=torch.float32,
+        cast=["x", "weight"],
+        grad=["x", "weight"],
+        kwargs=dict(eps=0.5),
+        atol=1e-6,
+    )
 
 
 def test_offset_and_eps():

@@ -258,10 +258,25 @@ def _backward_op(grad_out, grad_residual, x, weight, rstd, offset, casting, weig
 # ============================================================================ autograd
 
 
+def _plain(*tensors: torch.Tensor | None) -> bool:
+    """True in plain eager mode on ordinary tensors: there the autograd Function calls the
+    launchers directly, skipping the dispatcher's round trip into Python (host time that a
+    sub-millisecond kernel notices). Tracing (torch.compile, export) and tensor subclasses
+    (FakeTensor, DTensor) go through the registered op."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting):
-        out, _, rstd = _forward_op(x, None, weight, eps, offset, casting)
+        forward = _forward if _plain(x, weight) else _forward_op
+        out, _, rstd = forward(x, None, weight, eps, offset, casting)
         ctx.save_for_backward(x, weight, rstd)
         ctx.options = (offset, casting)
         return out
@@ -270,7 +285,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = _backward_op(
+        backward = _backward if _plain(grad_out, x) else _backward_op
+        grad_x, grad_weight = backward(
             grad_out, None, x, weight, rstd, *ctx.options, ctx.needs_input_grad[1]
         )
         return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None, None, None
@@ -281,7 +297,8 @@ class _AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
-        out, new_residual, rstd = _forward_op(x, residual, weight, eps, offset, casting)
+        forward = _forward if _plain(x, residual, weight) else _forward_op
+        out, new_residual, rstd = forward(x, residual, weight, eps, offset, casting)
         ctx.save_for_backward(new_residual, weight, rstd)
         ctx.options = (offset, casting)
         ctx.dtypes = (x.dtype, residual.dtype)
@@ -291,7 +308,8 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_new_residual):
         new_residual, weight, rstd = ctx.saved_tensors
-        grad_sum, grad_weight = _backward_op(
+        backward = _backward if _plain(grad_out, grad_new_residual) else _backward_op
+        grad_sum, grad_weight = backward(
             grad_out, grad_new_residual, new_residual, weight, rstd, *ctx.options,
             ctx.needs_input_grad[2],
         )

@@ -24,8 +24,14 @@ from fusetune._utils import (
 LAYOUTS = ("BTHD", "BHTD")
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
+def _shape(t: torch.Tensor) -> str:
+    """A shape for a message; under torch.compile sizes are symbolic and Dynamo (torch 2.11)
+    cannot build a message from them, so the message says what was expected without it."""
+    return "(symbolic)" if torch.compiler.is_compiling() else str(tuple(t.shape))
+
+
+def _sizes(*sizes: int) -> str:
+    return "(symbolic)" if torch.compiler.is_compiling() else str(sizes)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, layout: str) -> tuple[int, int, int]:
@@ -49,14 +55,14 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, layout: str) -> tuple[int, int, 
 def _check_cos_sin(cos, sin, position_ids, batch, seq_len) -> None:
     check_floating("cos", cos)
     check_floating("sin", sin)
-    if _shape(cos) != _shape(sin):
+    if tuple(cos.shape) != tuple(sin.shape):
         raise ValueError(f"cos and sin must have one shape, got {_shape(cos)} and {_shape(sin)}")
     if position_ids is None:
         leading_ok = cos.dim() == 2 or (cos.dim() == 3 and cos.shape[0] in (1, batch))
         if not leading_ok or cos.shape[-2] != seq_len:
             raise ValueError(
                 f"cos and sin must be [T, R], [1, T, R] or [B, T, R] with (B, T) = "
-                f"{(batch, seq_len)} from q, got {_shape(cos)}"
+                f"{_sizes(batch, seq_len)} from q, got {_shape(cos)}"
             )
         return
     if cos.dim() != 2:
@@ -69,8 +75,8 @@ def _check_cos_sin(cos, sin, position_ids, batch, seq_len) -> None:
     )
     if not leading_ok or position_ids.shape[-1] != seq_len:
         raise ValueError(
-            f"position_ids must be [T], [1, T] or [B, T] with (B, T) = {(batch, seq_len)} from "
-            f"q, got {_shape(position_ids)}"
+            f"position_ids must be [T], [1, T] or [B, T] with (B, T) = "
+            f"{_sizes(batch, seq_len)} from q, got {_shape(position_ids)}"
         )
 
 
