@@ -275,8 +275,11 @@ BAD_INPUTS = {
     "logits-for-hidden": (dict(hidden=(4, 50)), "(4, 50)|(50, 16)|looks like logits"),
     "labels-shape": (dict(labels=(5,)), "labels must have shape (4,)|(5,)"),
     "bias-length": (dict(bias=(49,)), "bias must have shape (50,)|(49,)"),
-    "weight-1d": (dict(weight=(50,)), "weight must be [V, H]"),
-    "hidden-4d": (dict(hidden=(1, 1, 4, 16), labels=(1, 1, 4)), "hidden must be [N, H]"),
+    "weight-1d": (dict(weight=(50,)), "weight|must be|[V, H]"),
+    "hidden-4d": (
+        dict(hidden=(1, 1, 4, 16), labels=(1, 1, 4)),
+        "hidden|must be|[N, H] or [B, T, H]",
+    ),
 }
 
 
