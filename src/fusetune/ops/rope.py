@@ -18,6 +18,7 @@ Layout: kernels, host launchers, custom ops, the autograd Function, the public f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,7 @@ class _LaunchPlan:
 TILE_ELEMENTS = 2048
 
 
+@functools.lru_cache(maxsize=256)  # host time counts: these kernels take ~0.1 ms
 def _launch_plan(n_heads: int, head_dim: int, rotary_dim: int) -> _LaunchPlan:
     block_pairs = _utils.next_power_of_2(rotary_dim // 2)
     block_heads = min(_utils.next_power_of_2(n_heads), max(1, TILE_ELEMENTS // block_pairs))
