@@ -428,8 +428,9 @@ def gated_slot_attention(
             non-decreasing, T last; no state crosses a boundary. Values are checked for CPU
             tensors; on the GPU they are clamped into [0, T] instead (no host sync).
         layout: "BTHD" or "BHTD" (any strides with a unit last stride are read in place).
-        mode: "chunk" (chunks of 16 tokens: intra-chunk by matmuls, inter-chunk through states
-            carried in fp32; for training) or "recurrent" (token by token: decoding, short T).
+        mode: "chunk" (for training: states every 64 tokens from a state-passing kernel, then
+            one program per chunk and head, intra-chunk by matmuls over 16-token sub-chunks,
+            states carried in fp32) or "recurrent" (token by token: decoding, short T).
             Both compute the same function to rounding.
 
     Returns:

@@ -1,9 +1,11 @@
-"""Chunked GSA kernels: one program per (sequence, query head) walks the sequence in chunks of
-BT tokens with both states [K, M] and [M, V] in fp32 registers. Inside a chunk everything is
+"""Chunked GSA kernels. ``states_kernel`` walks each sequence in chunks of S = 64 tokens and
+stores every chunk's starting states [K, M] and [M, V] (fp32; recomputed in backward, never kept
+from the forward); then one program per (chunk, query head) walks its chunk in sub-chunks of
+BT = 16 tokens with both states in registers. Inside a sub-chunk everything is
 matmuls plus one exact decay tensor W[i, j, m] = exp(G_i - G_j) (i >= j, else 0; G the
 chunk-local cumsum of the gates, fp32): every factor is <= 1, so no gate however negative can
 overflow, unlike factorising exp(G_i) * exp(-G_j). Across chunks the carried states move with
-exp(G_last - G_j) <= 1 too. Backward recomputes the states instead of storing one per chunk.
+exp(G_last - G_j) <= 1 too.
 
 Per chunk (scale folded into the fp32 products; e = exp(G), rows i, j in the chunk):
     a  = e * (q @ Hk) + sum_j (q_i . k_j) s_j W[i, j]          p = softmax(a)
