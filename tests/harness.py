@@ -166,7 +166,8 @@ def check_op(
     own_dtypes = {k: (input_dtypes or {}).get(k, dtype) for k in cast}
     rounded = {k: (v.to(own_dtypes[k]) if k in cast else v) for k, v in inputs.items()}
 
-    ref_inputs = {k: v.double() if k in cast else v for k, v in rounded.items()}
+    # Copies, so that marking a reference input as requiring grad leaves the op's untouched.
+    ref_inputs = {k: v.double() if k in cast else v.clone() for k, v in rounded.items()}
     for name in grad:
         ref_inputs[name].requires_grad_(True)
     ref_outputs = flatten_outputs(reference(**ref_inputs, **kwargs))

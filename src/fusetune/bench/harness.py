@@ -443,7 +443,7 @@ _VERSIONED: dict[str, tuple[str, ...]] = {
     "fusetune": ("fusetune",),
     "liger_kernel": ("liger-kernel", "liger_kernel"),
     "cut_cross_entropy": ("cut-cross-entropy", "cut_cross_entropy"),
-    "fla": ("flash-linear-attention", "fla"),
+    "fla": ("flash-linear-attention", "fla-core", "fla"),
 }
 
 
