@@ -132,6 +132,19 @@ def scalar_tensor(value: float | torch.Tensor, device: torch.device) -> torch.Te
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """True in plain eager mode on ordinary tensors: there an autograd Function may call its
+    launchers directly, skipping the dispatcher's round trip into Python (host time that a
+    sub-millisecond kernel notices). Tracing (torch.compile, export) and tensor subclasses
+    (FakeTensor, DTensor) must go through the registered op."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+
+
 # ----------------------------------------------------------------------------- argument checks
 
 

@@ -215,33 +215,19 @@ def _backward_inplace_op(grad_out, gate, up, activation, store_output):
 # ============================================================================ autograd
 
 
-def _plain(*tensors: torch.Tensor | None) -> bool:
-    """True in plain eager mode on ordinary tensors: there the autograd Function calls the
-    launchers directly, skipping the dispatcher's round trip into Python (host time that a
-    sub-millisecond kernel notices). Tracing (torch.compile, export) and tensor subclasses
-    (FakeTensor, DTensor) go through the registered op."""
-    if torch.compiler.is_compiling():
-        return False
-    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-
 class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation):
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
-        forward = _forward if _plain(gate, up) else _forward_op
+        forward = _forward if _utils.plain_eager(gate, up) else _forward_op
         return forward(gate, up, activation)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        backward = _backward_new if _plain(grad_out, gate) else _backward_op
+        backward = _backward_new if _utils.plain_eager(grad_out, gate) else _backward_op
         _, grad_gate, grad_up = backward(grad_out, gate, up, ctx.activation, False)
         return grad_gate, grad_up, None
 

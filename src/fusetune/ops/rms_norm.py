@@ -260,24 +260,10 @@ def _backward_op(grad_out, grad_residual, x, weight, rstd, offset, casting, weig
 # ============================================================================ autograd
 
 
-def _plain(*tensors: torch.Tensor | None) -> bool:
-    """True in plain eager mode on ordinary tensors: there the autograd Function calls the
-    launchers directly, skipping the dispatcher's round trip into Python (host time that a
-    sub-millisecond kernel notices). Tracing (torch.compile, export) and tensor subclasses
-    (FakeTensor, DTensor) go through the registered op."""
-    if torch.compiler.is_compiling():
-        return False
-    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting):
-        forward = _forward if _plain(x, weight) else _forward_op
+        forward = _forward if _utils.plain_eager(x, weight) else _forward_op
         out, _, rstd = forward(x, None, weight, eps, offset, casting)
         ctx.save_for_backward(x, weight, rstd)
         ctx.options = (offset, casting)
@@ -287,7 +273,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        backward = _backward if _plain(grad_out, x) else _backward_op
+        backward = _backward if _utils.plain_eager(grad_out, x) else _backward_op
         grad_x, grad_weight = backward(
             grad_out, None, x, weight, rstd, *ctx.options, ctx.needs_input_grad[1]
         )
@@ -299,7 +285,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
-        forward = _forward if _plain(x, residual, weight) else _forward_op
+        forward = _forward if _utils.plain_eager(x, residual, weight) else _forward_op
         out, new_residual, rstd = forward(x, residual, weight, eps, offset, casting)
         ctx.save_for_backward(new_residual, weight, rstd)
         ctx.options = (offset, casting)
@@ -310,7 +296,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_new_residual):
         new_residual, weight, rstd = ctx.saved_tensors
-        backward = _backward if _plain(grad_out, grad_new_residual) else _backward_op
+        backward = _backward if _utils.plain_eager(grad_out, grad_new_residual) else _backward_op
         grad_sum, grad_weight = backward(
             grad_out, grad_new_residual, new_residual, weight, rstd, *ctx.options,
             ctx.needs_input_grad[2],

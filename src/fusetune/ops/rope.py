@@ -208,24 +208,10 @@ def _rotate_op(q, k, cos, sin, position_ids, layout, interleaved, transpose):
 # ============================================================================ autograd
 
 
-def _plain(*tensors: torch.Tensor | None) -> bool:
-    """True in plain eager mode on ordinary tensors: there the autograd Function calls the
-    launchers directly, skipping the dispatcher's round trip into Python (host time that a
-    sub-millisecond kernel notices). Tracing (torch.compile, export) and tensor subclasses
-    (FakeTensor, DTensor) go through the registered op."""
-    if torch.compiler.is_compiling():
-        return False
-    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, position_ids, layout, interleaved):
-        rotate = _rotate if _plain(q, k, cos, sin, position_ids) else _rotate_op
+        rotate = _rotate if _utils.plain_eager(q, k, cos, sin, position_ids) else _rotate_op
         q_out, k_out = rotate(q, k, cos, sin, position_ids, layout, interleaved, False)
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.options = (layout, interleaved)
@@ -235,7 +221,7 @@ class _RopeFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_q, grad_k):
         cos, sin, position_ids = ctx.saved_tensors
-        rotate = _rotate if _plain(grad_q, grad_k, cos) else _rotate_op
+        rotate = _rotate if _utils.plain_eager(grad_q, grad_k, cos) else _rotate_op
         grad_q, grad_k = rotate(grad_q, grad_k, cos, sin, position_ids, *ctx.options, True)
         return grad_q, grad_k, None, None, None, None, None
 
