@@ -426,6 +426,11 @@ def _run_case(
         row["floor_ms"] = floor_ms(nbytes, flops, ceilings)
         if row["floor_ms"] is not None and row["time_ms"]:
             row["floor_fraction"] = row["floor_ms"] / row["time_ms"]
+        # Each result as soon as it exists: a run cut off by a time limit keeps what it measured.
+        result = row.get("error") or (
+            f"{_fmt(row.get('time_ms'), '.3f')} ms, {_fmt(row.get('peak_extra_gib'), '.3f')} GiB"
+        )
+        print(f"[bench] {case.op} | {case.name} | {name} = {result}", file=sys.stderr, flush=True)
         rows.append(row)
     del closures
     _release(device)
