@@ -28,8 +28,20 @@ def _gsa_tolerances(monkeypatch):
         monkeypatch.setitem(harness.TOLERANCES, dtype, tol)
 
 
-def make_inputs(batch=2, seq_len=37, q_heads=4, heads=2, key_dim=12, value_dim=20, slots=10,
-                *, layout="BTHD", n_seq=None, initial_state=True, gate_scale=1.0):
+def make_inputs(
+    batch=2,
+    seq_len=37,
+    q_heads=4,
+    heads=2,
+    key_dim=12,
+    value_dim=20,
+    slots=10,
+    *,
+    layout="BTHD",
+    n_seq=None,
+    initial_state=True,
+    gate_scale=1.0,
+):
     """Random inputs as a layer makes them: g = logsigmoid(f) / 4 (some strongly negative),
     s = 1 - exp(g); initial states (rounded to the tested dtype with the rest: check_op shares
     the tensors it does not round between the op and the reference)."""
@@ -59,8 +71,9 @@ def with_states(fn, **fixed):
 
     def run(q, k, v, s, g, hk0=None, hv0=None, **kwargs):
         state = None if hk0 is None else (hk0, hv0)
-        o, (hk, hv) = fn(q, k, v, s, g, initial_state=state, output_final_state=True,
-                         **fixed, **kwargs)
+        o, (hk, hv) = fn(
+            q, k, v, s, g, initial_state=state, output_final_state=True, **fixed, **kwargs
+        )
         return o, hk, hv
 
     return run
@@ -104,10 +117,18 @@ def direct_loop(q, k, v, s, g, hk0, hv0, scale):
 
 def test_naive_matches_direct_loop():
     x = make_inputs(batch=2, seq_len=9, q_heads=4, heads=2, key_dim=3, value_dim=5, slots=4)
-    want = direct_loop(x["q"], x["k"], x["v"], x["s"], x["g"], x["hk0"].double(),
-                       x["hv0"].double(), 0.7)
-    got = naive(x["q"], x["k"], x["v"], x["s"], x["g"], scale=0.7,
-                initial_state=(x["hk0"].double(), x["hv0"].double()))
+    want = direct_loop(
+        x["q"], x["k"], x["v"], x["s"], x["g"], x["hk0"].double(), x["hv0"].double(), 0.7
+    )
+    got = naive(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["s"],
+        x["g"],
+        scale=0.7,
+        initial_state=(x["hk0"].double(), x["hv0"].double()),
+    )
     assert_close("naive", got, want, 1e-12)
     # Default scale K^-0.5, no initial state, BHTD layout: the same function.
     zero = (torch.zeros_like(x["hk0"]).double(), torch.zeros_like(x["hv0"]).double())
@@ -141,9 +162,16 @@ def test_bhtd_layout(algo, dtype):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_larger_dims_and_scale(algo):
     """K = V = M = 32 (no padding), more chunks, an explicit scale, no initial state."""
-    inputs = make_inputs(batch=1, seq_len=70 if algo == "chunk" else 30, q_heads=2, heads=2,
-                         key_dim=32, value_dim=32,
-                         slots=32, initial_state=False)
+    inputs = make_inputs(
+        batch=1,
+        seq_len=70 if algo == "chunk" else 30,
+        q_heads=2,
+        heads=2,
+        key_dim=32,
+        value_dim=32,
+        slots=32,
+        initial_state=False,
+    )
     run_check(inputs, torch.bfloat16, algo, kwargs=dict(scale=0.3))
 
 
@@ -154,7 +182,7 @@ def per_sequence(fn, offsets):
         outs, hks, hvs = [], [], []
         for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
             part = [x[:, start:end] for x in (q, k, v, s, g)]
-            o, hk, hv = with_states(fn)(*part, hk0[n:n + 1], hv0[n:n + 1], **kwargs)
+            o, hk, hv = with_states(fn)(*part, hk0[n : n + 1], hv0[n : n + 1], **kwargs)
             outs.append(o)
             hks.append(hk)
             hvs.append(hv)
@@ -165,15 +193,15 @@ def per_sequence(fn, offsets):
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize(
-    "dtype,cu_dtype", [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)],
+    "dtype,cu_dtype",
+    [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)],
     ids=["fp32-i64", "bf16-i32"],
 )
 def test_varlen_matches_per_sequence_runs(algo, dtype, cu_dtype):
     """Packed sequences (one empty, one of a single token, lengths off the chunk grid) give what
     each sequence gives alone: no state crosses a boundary; states per sequence."""
     offsets = [0, 5, 5, 22, 23, 41]
-    inputs = make_inputs(batch=1, seq_len=offsets[-1], q_heads=2, heads=1,
-                         n_seq=len(offsets) - 1)
+    inputs = make_inputs(batch=1, seq_len=offsets[-1], q_heads=2, heads=1, n_seq=len(offsets) - 1)
     cu = torch.tensor(offsets, dtype=cu_dtype, device=DEVICE)
     check_op(
         with_states(fusetune.gated_slot_attention, mode=algo, cu_seqlens=cu),
@@ -198,8 +226,9 @@ def test_chunk_and_recurrent_agree_in_bf16():
     args = [x[n].to(torch.bfloat16) for n in "qkvsg"]
     state = (x["hk0"].float(), x["hv0"].float())
     outs = [
-        fusetune.gated_slot_attention(*args, initial_state=state, output_final_state=True,
-                                      mode=algo)
+        fusetune.gated_slot_attention(
+            *args, initial_state=state, output_final_state=True, mode=algo
+        )
         for algo in ALGOS
     ]
     assert_close("o", outs[0][0], outs[1][0], 1e-2)
@@ -253,11 +282,13 @@ def test_gradients_without_final_state_and_initial_state(algo):
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1000 is slow under the interpreter")
 @pytest.mark.parametrize("algo", ALGOS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
-                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 def test_long_sequences_gpu(algo, dtype):
-    inputs = make_inputs(batch=2, seq_len=1000, q_heads=4, heads=2, key_dim=64, value_dim=64,
-                         slots=64)
+    inputs = make_inputs(
+        batch=2, seq_len=1000, q_heads=4, heads=2, key_dim=64, value_dim=64, slots=64
+    )
     run_check(inputs, dtype, algo)
 
 
@@ -282,15 +313,23 @@ def test_bad_input(mode):
     assert_raises(TypeError, "share one dtype", call, q, k.half(), v, s, g)
     assert_raises(TypeError, "q must be a floating-point", call, q.long(), k, v, s, g)
     bad_state = (x["hk0"][:, :, :3], x["hv0"])
-    assert_raises(ValueError, "initial_state[0] must be", call, q, k, v, s, g,
-                  initial_state=bad_state)
-    assert_raises(TypeError, "initial_state must be a pair", call, q, k, v, s, g,
-                  initial_state=x["hk0"])
+    assert_raises(
+        ValueError, "initial_state[0] must be", call, q, k, v, s, g, initial_state=bad_state
+    )
+    assert_raises(
+        TypeError, "initial_state must be a pair", call, q, k, v, s, g, initial_state=x["hk0"]
+    )
     cu = torch.tensor([0, 3, 8], device=DEVICE)
-    assert_raises(ValueError, "batch size must be 1", call, *(t.repeat(2, 1, 1, 1) for t in
-                                                               (q, k, v, s, g)), cu_seqlens=cu)
-    assert_raises(TypeError, "cu_seqlens must be an integer", call, q, k, v, s, g,
-                  cu_seqlens=cu.float())
+    assert_raises(
+        ValueError,
+        "batch size must be 1",
+        call,
+        *(t.repeat(2, 1, 1, 1) for t in (q, k, v, s, g)),
+        cu_seqlens=cu,
+    )
+    assert_raises(
+        TypeError, "cu_seqlens must be an integer", call, q, k, v, s, g, cu_seqlens=cu.float()
+    )
 
 
 def test_bad_cu_seqlens_values():
@@ -298,16 +337,28 @@ def test_bad_cu_seqlens_values():
     x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
     args = [x[n] for n in "qkvsg"]
     call = fusetune.gated_slot_attention
-    for offsets, words in [([1, 3, 8], "start at 0"), ([0, 5, 3, 8], "non-decreasing"),
-                           ([0, 3, 7], "end at T = 8")]:
-        assert_raises(ValueError, f"cu_seqlens|{words}", call, *args,
-                      cu_seqlens=torch.tensor(offsets))
+    for offsets, words in [
+        ([1, 3, 8], "start at 0"),
+        ([0, 5, 3, 8], "non-decreasing"),
+        ([0, 3, 7], "end at T = 8"),
+    ]:
+        assert_raises(
+            ValueError, f"cu_seqlens|{words}", call, *args, cu_seqlens=torch.tensor(offsets)
+        )
 
 
 def test_positive_gates_rejected_on_cpu():
     x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
     g = x["g"].clone()
     g[0, 3, 0, 1] = 0.5
-    assert_raises(ValueError, "g holds log forget gates|<= 0", fusetune.gated_slot_attention,
-                  x["q"], x["k"], x["v"], x["s"], g)
+    assert_raises(
+        ValueError,
+        "g holds log forget gates|<= 0",
+        fusetune.gated_slot_attention,
+        x["q"],
+        x["k"],
+        x["v"],
+        x["s"],
+        g,
+    )
     assert_raises(ValueError, "g holds log forget gates", naive, x["q"], x["k"], x["v"], x["s"], g)

@@ -33,8 +33,9 @@ def test_layer_matches_naive(mode, monkeypatch):
     layer = make_layer(mode=mode)
     x = torch.randn(2, 19, 32, device=DEVICE)
     got = run_layer(layer, x)
-    monkeypatch.setattr(layer_module, "gated_slot_attention",
-                        lambda *a, mode=None, **kw: naive(*a, **kw))
+    monkeypatch.setattr(
+        layer_module, "gated_slot_attention", lambda *a, mode=None, **kw: naive(*a, **kw)
+    )
     want = run_layer(layer, x)
     assert_close("output", got[0], want[0], 1e-5)
     assert_close("grad x", got[1], want[1], 1e-5)
@@ -66,8 +67,13 @@ def test_transformers_llama_trains_with_gsa():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
     )
     model = transformers.LlamaForCausalLM(config).to(DEVICE)
     for index, layer in enumerate(model.model.layers):

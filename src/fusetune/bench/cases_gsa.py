@@ -41,7 +41,7 @@ def _inputs(batch, seq_len, heads, dim, slots, dtype, device):
         return torch.randn(*shape, device=device).to(dtype).requires_grad_()
 
     q, k, v = (leaf(batch, seq_len, heads, dim) for _ in range(3))
-    g = (F.logsigmoid(torch.randn(batch, seq_len, heads, slots, device=device)) / 8)
+    g = F.logsigmoid(torch.randn(batch, seq_len, heads, slots, device=device)) / 8
     s = (1 - g.exp()).to(dtype).requires_grad_()
     g = g.to(dtype).requires_grad_()
     return [q, k, v, s, g]
@@ -77,7 +77,8 @@ def _make(batch: int, lengths: list[int] | None, seq_len: int, with_recurrent: b
         if with_recurrent:
             providers["fusetune-recurrent"] = _step(
                 lambda: fusetune.gated_slot_attention(*leaves, cu_seqlens=cu, mode="recurrent"),
-                leaves, grad_out,
+                leaves,
+                grad_out,
             )
         if device.type == "cuda":
             chunk_gsa = _fla_chunk_gsa()

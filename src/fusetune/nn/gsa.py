@@ -105,10 +105,8 @@ class GatedSlotAttention(torch.nn.Module):
         if attention_mask is not None and attention_mask.dim() == 2:
             keep = attention_mask[:, -seq_len:, None, None].to(g.dtype)
             g, s = g * keep, s * keep  # padding: no decay, nothing written
-        o = gated_slot_attention(q, k, v, s.to(q.dtype), g, cu_seqlens=cu_seqlens,
-                                 mode=self.mode)
-        o = F.rms_norm(F.silu(o), (self.head_dim,), self.g_norm_weight.to(o.dtype),
-                       self.norm_eps)
+        o = gated_slot_attention(q, k, v, s.to(q.dtype), g, cu_seqlens=cu_seqlens, mode=self.mode)
+        o = F.rms_norm(F.silu(o), (self.head_dim,), self.g_norm_weight.to(o.dtype), self.norm_eps)
         return self.o_proj(o.reshape(batch, seq_len, -1)), None
 
     def extra_repr(self) -> str:

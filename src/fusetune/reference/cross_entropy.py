@@ -44,8 +44,12 @@ def check_cross_entropy_args(
         )
     check_same_device(logits=logits, labels=labels)
     check_loss_options(
-        reduction=reduction, label_smoothing=label_smoothing, logit_softcap=logit_softcap,
-        logit_scale=logit_scale, z_loss=z_loss, num_items=num_items,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        logit_softcap=logit_softcap,
+        logit_scale=logit_scale,
+        z_loss=z_loss,
+        num_items=num_items,
         inplace_backward=inplace_backward,
     )
 
