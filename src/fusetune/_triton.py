@@ -48,7 +48,8 @@ def tanh(x):
 def dot(a, b, acc, UPCAST_BF16: tl.constexpr):
     """``acc + a @ b``. Pass ``UPCAST_BF16=INTERPRET``: Triton's interpreter returns garbage
     for bf16 ``tl.dot``, so there the operands go through fp32; compiled kernels keep bf16
-    tensor cores."""
+    tensor cores. fp32 operands run as tf32 on the GPU (tl.dot's default): where fp32 inputs must
+    stay exact, call ``tl.dot(a, b, input_precision="ieee")`` instead (as the GSA kernels do)."""
     if UPCAST_BF16:
         if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
