@@ -92,20 +92,21 @@ class _Grads:
         return self.hidden, self.weight, self.bias
 
 
-def _chunks(n_rows: int, rows: int):
+def _logit_chunks(hidden, weight, bias, chunk_override: int):
+    """(rows, logits [1, rows, V], cross-entropy launch plan) for each chunk of rows. The logits
+    share one buffer: a chunk's are overwritten when the next chunk is asked for."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    rows = chunk_rows(n_rows, weight, chunk_override)
+    buffer = _utils.empty((min(rows, n_rows), vocab), hidden.dtype, hidden.device)
+    plan = ce._launch_plan(rows, vocab, hidden.device)
     for start in range(0, n_rows, rows):
-        yield slice(start, min(start + rows, n_rows))
-
-
-def _logits_into(buffer, hidden, weight, bias, rows: slice) -> torch.Tensor:
-    logits = buffer[: rows.stop - rows.start]
-    if bias is None:
-        return torch.mm(hidden[rows], weight.t(), out=logits)
-    return torch.addmm(bias, hidden[rows], weight.t(), out=logits)
-
-
-def _ce_plan(rows: int, weight: torch.Tensor) -> ce._LaunchPlan:
-    return ce._launch_plan(rows, weight.shape[0], weight.device)
+        chunk = slice(start, min(start + rows, n_rows))
+        logits = buffer[: chunk.stop - start]
+        if bias is None:
+            torch.mm(hidden[chunk], weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hidden[chunk], weight.t(), out=logits)
+        yield chunk, logits.unsqueeze(0), plan
 
 
 # ============================================================================ custom ops
@@ -148,12 +149,8 @@ def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_sm
     lse = _utils.empty((n_rows,), torch.float32, device)
     grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
     compute_grad = grad_hidden or grad_weight or grad_bias
-    rows = chunk_rows(n_rows, weight, chunk_override)
-    buffer = _utils.empty((min(rows, n_rows), weight.shape[0]), hidden.dtype, device)
-    plan = _ce_plan(rows, weight)
     with torch.autocast(device.type, enabled=False):
-        for chunk in _chunks(n_rows, rows):
-            logits3 = _logits_into(buffer, hidden, weight, bias, chunk).unsqueeze(0)
+        for chunk, logits3, plan in _logit_chunks(hidden, weight, bias, chunk_override):
             grad3 = logits3 if compute_grad else None  # the gradient overwrites the logits
             ce._forward_stats(
                 logits3, labels[chunk], options, plan, loss[chunk], lse[chunk], grad3, grad_scale
@@ -177,15 +174,11 @@ def _backward_op(grad_loss, hidden, weight, bias, labels, lse, ignore_index, lab
     """Gradients from per-row upstream gradients ``grad_loss`` (fp32 [N]), recomputing the
     logits chunk by chunk from the saved logsumexp."""
     options = ce._Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
-    n_rows, device = labels.numel(), hidden.device
+    device = hidden.device
     grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
-    rows = chunk_rows(n_rows, weight, chunk_override)
-    buffer = _utils.empty((min(rows, n_rows), weight.shape[0]), hidden.dtype, device)
-    plan = _ce_plan(rows, weight)
     grad_loss = grad_loss.to(torch.float32).contiguous()
     with torch.autocast(device.type, enabled=False):
-        for chunk in _chunks(n_rows, rows):
-            logits3 = _logits_into(buffer, hidden, weight, bias, chunk).unsqueeze(0)
+        for chunk, logits3, plan in _logit_chunks(hidden, weight, bias, chunk_override):
             ce._write_grad(
                 logits3, labels[chunk], lse[chunk], grad_loss[chunk], logits3, options, plan
             )
@@ -326,10 +319,7 @@ def linear_cross_entropy(
     flat_labels = shaped_labels.reshape(-1).contiguous()  # the kernels index it densely
     valid = flat_labels != ignore_index
     inv_denominator = ce.loss_scale(valid, reduction, num_items)
-    op_args = (
-        int(ignore_index), float(label_smoothing), float(z_loss),
-        ce.optional_float(logit_scale), ce.optional_float(logit_softcap),
-    )
+    op_args = ce.op_options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
     loss, lse = _LinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, inv_denominator,
         op_args, reduction, int(chunk_size or 0), dtype,
