@@ -578,8 +578,19 @@ class _CrossEntropyFunction(torch.autograd.Function):
 # ============================================================================ public function
 
 
-def optional_float(value: float | None) -> float | None:
+def _optional_float(value: float | None) -> float | None:
     return None if value is None else float(value)
+
+
+def op_options(
+    ignore_index: int, label_smoothing: float, z_loss: float, logit_scale: float | None,
+    logit_softcap: float | None,
+) -> tuple:
+    """The loss options in the order and Python types of the ops' ``_OPTION_SCHEMA``."""
+    return (
+        int(ignore_index), float(label_smoothing), float(z_loss), _optional_float(logit_scale),
+        _optional_float(logit_softcap),
+    )
 
 
 def loss_scale(
@@ -670,8 +681,9 @@ def cross_entropy(
     inv_denominator = loss_scale(valid, reduction, num_items)
 
     loss, lse = _CrossEntropyFunction.apply(
-        logits, labels, inv_denominator, int(ignore_index), float(label_smoothing), float(z_loss),
-        optional_float(logit_scale), optional_float(logit_softcap), reduction, inplace_backward,
+        logits, labels, inv_denominator,
+        *op_options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap),
+        reduction, inplace_backward,
     )
     if reduction == "none":
         loss = loss.view(labels.shape)

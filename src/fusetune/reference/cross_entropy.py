@@ -18,18 +18,10 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def check_cross_entropy_args(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    reduction: str,
-    label_smoothing: float,
-    logit_softcap: float | None,
-    logit_scale: float | None,
-    z_loss: float,
-    num_items: float | torch.Tensor | None,
-    inplace_backward: bool = False,
+    logits: torch.Tensor, labels: torch.Tensor, **loss_options: object
 ) -> None:
-    """The argument checks :func:`fusetune.cross_entropy` and this reference share."""
+    """The argument checks :func:`fusetune.cross_entropy` and this reference share;
+    ``loss_options`` are :func:`check_loss_options`' keywords."""
     check_floating("logits", logits)
     check_ndim("logits", logits, (2, 3), "[N, V] or [B, T, V]")
     check_integer("labels", labels)
@@ -43,15 +35,7 @@ def check_cross_entropy_args(
             f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}"
         )
     check_same_device(logits=logits, labels=labels)
-    check_loss_options(
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        logit_softcap=logit_softcap,
-        logit_scale=logit_scale,
-        z_loss=z_loss,
-        num_items=num_items,
-        inplace_backward=inplace_backward,
-    )
+    check_loss_options(**loss_options)
 
 
 def check_loss_options(
