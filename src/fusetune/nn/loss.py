@@ -8,7 +8,18 @@ from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 
 
-class CrossEntropyLoss(torch.nn.Module):
+class _LossWithOptions(torch.nn.Module):
+    """Holds an op's keyword options, fixed at construction, and shows them in repr."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.options = options
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+
+
+class CrossEntropyLoss(_LossWithOptions):
     """Module form of :func:`fusetune.cross_entropy`; the options are fixed at construction.
 
     ``forward(logits, labels, num_items=None)`` takes logits [N, V] or [B, T, V] and labels
@@ -27,8 +38,7 @@ class CrossEntropyLoss(torch.nn.Module):
         return_z_loss: bool = False,
         inplace_backward: bool = False,
     ) -> None:
-        super().__init__()
-        self.options = dict(
+        super().__init__(
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,
@@ -47,11 +57,8 @@ class CrossEntropyLoss(torch.nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return cross_entropy(logits, labels, num_items=num_items, **self.options)
 
-    def extra_repr(self) -> str:
-        return ", ".join(f"{key}={value!r}" for key, value in self.options.items())
 
-
-class LinearCrossEntropyLoss(torch.nn.Module):
+class LinearCrossEntropyLoss(_LossWithOptions):
     """Module form of :func:`fusetune.linear_cross_entropy`; the options are fixed at
     construction.
 
@@ -74,8 +81,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return_z_loss: bool = False,
         chunk_size: int | None = None,
     ) -> None:
-        super().__init__()
-        self.options = dict(
+        super().__init__(
             shift=shift,
             ignore_index=ignore_index,
             reduction=reduction,
@@ -98,6 +104,3 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return linear_cross_entropy(
             hidden, weight, labels, bias, num_items=num_items, **self.options
         )
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{key}={value!r}" for key, value in self.options.items())
