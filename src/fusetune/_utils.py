@@ -132,6 +132,17 @@ def scalar_tensor(value: float | torch.Tensor, device: torch.device) -> torch.Te
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows, last dim] view with a unit column stride (a copy only when no such view exists),
+    for kernels that index rows by one row stride."""
+    if tensor.stride(-1) != 1:
+        tensor = tensor.contiguous()
+    try:
+        return tensor.view(-1, tensor.shape[-1])
+    except RuntimeError:  # leading dims that do not collapse to one row stride
+        return tensor.contiguous().view(-1, tensor.shape[-1])
+
+
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 

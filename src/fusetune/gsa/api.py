@@ -316,31 +316,29 @@ def _sum_group(tensor: torch.Tensor, group: int, layout: str) -> torch.Tensor:
 _ARGS = "Tensor? hk0, Tensor? hv0, Tensor? cu_seqlens, float scale, str layout"
 
 
+def _fake_states(q, k, v, s, cu_seqlens, layout):
+    """Empty fp32 (hk [N, H, K, M], hv [N, H, M, V]) shaped like per-sequence states."""
+    heads = k.shape[2] if layout == "BTHD" else k.shape[1]
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    key_dim, slots, value_dim = q.shape[-1], s.shape[-1], v.shape[-1]
+    return (
+        q.new_empty((n_seq, heads, key_dim, slots), dtype=torch.float32),
+        q.new_empty((n_seq, heads, slots, value_dim), dtype=torch.float32),
+    )
+
+
 def _fake_forward(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state,
                   chunked):
     o = q.new_empty(q.shape[:3] + (v.shape[-1],))
     if not output_final_state:
         return o, q.new_empty((0,), dtype=torch.float32), q.new_empty((0,), dtype=torch.float32)
-    heads = k.shape[2] if layout == "BTHD" else k.shape[1]
-    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    key_dim, slots, value_dim = q.shape[-1], s.shape[-1], v.shape[-1]
-    return (
-        o,
-        q.new_empty((n_seq, heads, key_dim, slots), dtype=torch.float32),
-        q.new_empty((n_seq, heads, slots, value_dim), dtype=torch.float32),
-    )
+    return (o, *_fake_states(q, k, v, s, cu_seqlens, layout))
 
 
 def _fake_backward(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout,
                    output_final_state, chunked):
-    heads = k.shape[2] if layout == "BTHD" else k.shape[1]
-    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    key_dim, slots, value_dim = q.shape[-1], s.shape[-1], v.shape[-1]
-    return (
-        *(x.new_empty(x.shape) for x in (q, k, v, s, g)),
-        q.new_empty((n_seq, heads, key_dim, slots), dtype=torch.float32),
-        q.new_empty((n_seq, heads, slots, value_dim), dtype=torch.float32),
-    )
+    grads = tuple(x.new_empty(x.shape) for x in (q, k, v, s, g))
+    return (*grads, *_fake_states(q, k, v, s, cu_seqlens, layout))
 
 
 _forward_op = _utils.register_op(

@@ -111,16 +111,6 @@ BLOCK = 2048
 NUM_WARPS = 8
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] view with a unit column stride (a copy only when no such view exists)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:  # leading dims that do not collapse to one row stride
-        return t.contiguous().view(-1, t.shape[-1])
-
-
 def _grid(rows2: torch.Tensor) -> tuple[tuple[int], int, int]:
     n_rows, n_cols = rows2.shape
     block = min(BLOCK, _utils.next_power_of_2(n_cols))
@@ -135,7 +125,7 @@ def _warps(block: int) -> int:
 def _forward(gate, up, activation):
     out = _utils.empty(gate.shape, torch.promote_types(gate.dtype, up.dtype), gate.device)
     if gate.numel():
-        gate2, up2, out2 = _as_rows(gate), _as_rows(up), out.view(-1, gate.shape[-1])
+        gate2, up2, out2 = _utils.as_rows(gate), _utils.as_rows(up), out.view(-1, gate.shape[-1])
         grid, tiles_per_row, block = _grid(gate2)
         _glu_forward_kernel[grid](
             gate2, up2, out2, gate2.shape[1], tiles_per_row, gate2.stride(0), up2.stride(0),
@@ -149,7 +139,7 @@ def _backward(grad_out, gate, up, out, grad_gate, grad_up, activation, store_out
     """Fill grad_gate, grad_up (and out when store_output); any of them may alias an input."""
     if not gate.numel():
         return
-    grad_out2, gate2, up2 = _as_rows(grad_out), _as_rows(gate), _as_rows(up)
+    grad_out2, gate2, up2 = _utils.as_rows(grad_out), _utils.as_rows(gate), _utils.as_rows(up)
     out2 = out.view(-1, gate.shape[-1]) if store_output else gate2
     grad_gate2, grad_up2 = grad_gate.view(-1, gate.shape[-1]), grad_up.view(-1, gate.shape[-1])
     grid, tiles_per_row, block = _grid(gate2)

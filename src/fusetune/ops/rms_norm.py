@@ -160,27 +160,17 @@ def _launch_plan(n_cols: int) -> _LaunchPlan:
     return _LaunchPlan(block_rows, block_cols, _utils.next_power_of_2(warps))
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[rows, H] view with a unit column stride (a copy only when no such view exists)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:  # leading dims that do not collapse to one row stride
-        return t.contiguous().view(-1, t.shape[-1])
-
-
 def _forward(x, residual, weight, eps, offset, casting):
     """(out, new_residual or an empty tensor, rstd) for x [..., H]."""
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    x2 = _as_rows(x)
+    x2 = _utils.as_rows(x)
     n_rows, n_cols = x2.shape
     out = _utils.empty(x.shape, dtype, x.device)
     new_residual = _utils.empty(x.shape if residual is not None else (0,), dtype, x.device)
     rstd = _utils.empty((n_rows,), torch.float32, x.device)
     if n_rows == 0:
         return out, new_residual, rstd
-    res2 = _as_rows(residual) if residual is not None else x2
+    res2 = _utils.as_rows(residual) if residual is not None else x2
     new_res2 = new_residual.view(-1, n_cols) if residual is not None else x2
     out2 = out.view(-1, n_cols)
     plan = _launch_plan(n_cols)
@@ -195,7 +185,7 @@ def _forward(x, residual, weight, eps, offset, casting):
 
 def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
     """(grad_x in x's dtype, grad_weight in weight's dtype or an empty tensor)."""
-    x2, dy2 = _as_rows(x), _as_rows(grad_out)
+    x2, dy2 = _utils.as_rows(x), _utils.as_rows(grad_out)
     n_rows, n_cols = x2.shape
     grad_x = _utils.empty(x.shape, x.dtype, x.device)
     plan = _launch_plan(n_cols)
@@ -204,7 +194,7 @@ def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_
     programs = max(1, min(tiles, in_flight))
     partial = _utils.empty((programs, n_cols) if weight_grad else (0,), torch.float32, x.device)
     if n_rows:
-        dres2 = _as_rows(grad_residual) if grad_residual is not None else dy2
+        dres2 = _utils.as_rows(grad_residual) if grad_residual is not None else dy2
         dx2 = grad_x.view(-1, n_cols)
         _rms_norm_backward_kernel[(programs,)](
             dy2, dres2, x2, weight, rstd, dx2, partial, n_rows, n_cols, dy2.stride(0),
