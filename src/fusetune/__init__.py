@@ -14,6 +14,7 @@ from fusetune._utils import backend
 from fusetune.gsa import gated_slot_attention
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
+from fusetune.ops.grpo import grpo_loss, selective_log_softmax
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 from fusetune.ops.rms_norm import add_rms_norm, rms_norm
 from fusetune.ops.rope import rope
@@ -27,11 +28,13 @@ __all__ = [
     "cross_entropy",
     "gated_slot_attention",
     "geglu",
+    "grpo_loss",
     "gsa",
     "linear_cross_entropy",
     "nn",
     "reference",
     "rms_norm",
     "rope",
+    "selective_log_softmax",
     "swiglu",
 ]

@@ -213,7 +213,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.fused, ctx.flags, ctx.dtype = fused, flags, dtype
         ctx.op_args, ctx.chunk_override = op_args, chunk_override
         if fused:
-            ctx.save_for_backward(*_own_dtypes(grads, flags, hidden, weight, bias))
+            ctx.save_for_backward(*own_dtypes(grads, flags, hidden, weight, bias))
         elif any(flags):
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(lse)
@@ -223,24 +223,30 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
         if ctx.fused:
-            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-            for grad in (grad_hidden, grad_weight):
-                if grad is not None:
-                    ce._scale_op(grad, grad_loss)  # in place; skipped on the device if 1
-            if grad_bias is not None:  # [V]: small, and not mutated through a view (Inductor)
-                grad_bias = grad_bias * grad_loss.to(grad_bias.dtype)
-            grads = (grad_hidden, grad_weight, grad_bias)
+            grads = scale_fused_grads(ctx.saved_tensors, grad_loss)
         else:
             hidden, weight, bias, labels, lse = ctx.saved_tensors
             raw = _backward_op(
                 grad_loss, hidden.to(ctx.dtype), weight.to(ctx.dtype), _cast(bias, ctx.dtype),
                 labels, lse, *ctx.op_args, ctx.chunk_override, *ctx.flags,
             )
-            grads = _own_dtypes(raw, ctx.flags, hidden, weight, bias)
+            grads = own_dtypes(raw, ctx.flags, hidden, weight, bias)
         return (*grads, None, None, None, None, None, None)
 
 
-def _own_dtypes(grads, flags, *inputs):
+def scale_fused_grads(grads, grad_loss: torch.Tensor) -> tuple:
+    """(grad_hidden, grad_weight, grad_bias) computed in the forward for an upstream gradient
+    of 1, times the real upstream gradient (0-dim); None entries stay None."""
+    grad_hidden, grad_weight, grad_bias = grads
+    for grad in (grad_hidden, grad_weight):
+        if grad is not None:
+            ce._scale_op(grad, grad_loss)  # in place; skipped on the device if 1
+    if grad_bias is not None:  # [V]: small, and not mutated through a view (Inductor)
+        grad_bias = grad_bias * grad_loss.to(grad_bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+def own_dtypes(grads, flags, *inputs):
     """Each asked-for gradient in its input's dtype; None for the others."""
     return tuple(
         grad.to(tensor.dtype) if wanted else None

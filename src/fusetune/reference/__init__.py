@@ -4,6 +4,7 @@ They are the CPU path of the public ops and the oracle the tests compare the ker
 
 from fusetune.reference.activation import geglu, swiglu
 from fusetune.reference.cross_entropy import cross_entropy
+from fusetune.reference.grpo import grpo_loss, selective_log_softmax
 from fusetune.reference.linear_cross_entropy import linear_cross_entropy
 from fusetune.reference.rms_norm import add_rms_norm, rms_norm
 from fusetune.reference.rope import rope
@@ -12,8 +13,10 @@ __all__ = [
     "add_rms_norm",
     "cross_entropy",
     "geglu",
+    "grpo_loss",
     "linear_cross_entropy",
     "rms_norm",
     "rope",
+    "selective_log_softmax",
     "swiglu",
 ]

@@ -69,13 +69,15 @@ def check_loss_options(
         raise ValueError("inplace_backward needs reduction 'mean' or 'sum' (got 'none')")
 
 
-def check_labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+def check_labels_in_range(
+    labels: torch.Tensor, vocab: int, ignore_index: int, name: str = "labels"
+) -> None:
     """Raise if a label is neither ignore_index nor in [0, vocab). Reads values: CPU only."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         first = labels[bad].flatten()[0].item()
         raise ValueError(
-            f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}; found {first}"
+            f"{name} must be in [0, {vocab}) or equal ignore_index={ignore_index}; found {first}"
         )
 
 

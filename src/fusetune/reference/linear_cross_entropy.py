@@ -19,24 +19,21 @@ from fusetune._utils import (
 from fusetune.reference.cross_entropy import check_loss_options, cross_entropy
 
 
-def check_linear_cross_entropy_args(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    **loss_options: object,
+def check_lm_head(
+    hidden: torch.Tensor, weight: torch.Tensor, ndims: tuple[int, ...], layout: str
 ) -> None:
-    """The argument checks :func:`fusetune.linear_cross_entropy` and this reference share."""
+    """hidden ``layout`` and an lm_head weight [V, H] that fit each other; every op that takes
+    hidden states instead of logits shares this check."""
     check_floating("hidden", hidden)
     check_floating("weight", weight)
-    check_ndim("hidden", hidden, (2, 3), "[N, H] or [B, T, H]")
+    check_ndim("hidden", hidden, ndims, layout)
     check_ndim("weight", weight, (2,), "[V, H] (the lm_head weight: vocab x hidden size)")
     vocab, in_features = weight.shape
     if hidden.shape[-1] != in_features:
         # One f-string: Dynamo cannot concatenate strings while tracing.
         hint = (
             ". hidden's last dim equals the vocabulary size: this looks like logits were passed "
-            "instead of hidden states (use fusetune.cross_entropy for logits)"
+            "instead of hidden states"
             if hidden.shape[-1] == vocab
             else ""
         )
@@ -46,6 +43,18 @@ def check_linear_cross_entropy_args(
         )
     if vocab == 0:
         raise ValueError(f"weight must have at least one row (vocab), got {tuple(weight.shape)}")
+
+
+def check_linear_cross_entropy_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    **loss_options: object,
+) -> None:
+    """The argument checks :func:`fusetune.linear_cross_entropy` and this reference share."""
+    check_lm_head(hidden, weight, (2, 3), "[N, H] or [B, T, H]")
+    vocab = weight.shape[0]
     check_integer("labels", labels)
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
