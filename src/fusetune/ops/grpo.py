@@ -92,7 +92,9 @@ def selective_log_softmax(
     )
     reference.check_selective_log_softmax_args(hidden, weight, token_ids, bias, **logit_options)
     if _utils.backend(hidden) == "reference":
-        return reference.selective_log_softmax(hidden, weight, token_ids, bias=bias, **logit_options)
+        return reference.selective_log_softmax(
+            hidden, weight, token_ids, bias=bias, **logit_options
+        )
     _check_ids_on_cpu(token_ids, weight.shape[0])
     scale, softcap = _fold_temperature(temperature, logit_scale, logit_softcap)
     negative = linear_cross_entropy(
@@ -118,7 +120,8 @@ def _token_grad(logps, old_logps, ref_logps, advantages, weights, beta, epsilon_
     unclipped_grad = advantages * ratio
     if delta is not None:
         unclipped_grad = unclipped_grad * (ratio <= delta)
-    clipped_grad = advantages * ratio * ((ratio >= 1.0 - epsilon_low) & (ratio <= 1.0 + epsilon_high))
+    in_clip_range = (ratio >= 1.0 - epsilon_low) & (ratio <= 1.0 + epsilon_high)
+    clipped_grad = advantages * ratio * in_clip_range
     surrogate_grad = torch.where(
         unclipped_term < clipped_term,
         unclipped_grad,
@@ -332,8 +335,9 @@ def grpo_loss(
         completion_mask, loss_type, max_completion_length, num_items_in_batch
     )
     loss, logps = _GRPOFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, token_ids, completion_mask, advantages, old_logps, ref_logps,
-        weights, (float(beta), float(epsilon_low), float(epsilon_high), _optional(delta)),
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, token_ids, completion_mask, advantages,
+        old_logps, ref_logps, weights,
+        (float(beta), float(epsilon_low), float(epsilon_high), _optional(delta)),
         _fold_temperature(float(temperature), _optional(logit_scale), _optional(logit_softcap)),
         int(chunk_size or 0), matmul_dtype(hidden, weight),
     )

@@ -20,7 +20,6 @@ from fusetune._utils import (
     check_choice,
     check_floating,
     check_integer,
-    check_ndim,
     check_number,
     check_same_device,
 )
@@ -83,8 +82,11 @@ def check_grpo_args(
             check_floating(name, logps)
             _check_shape(name, logps, batch_and_time, "hidden's [B, T]")
     check_same_device(
-        hidden=hidden, completion_mask=completion_mask, advantages=advantages,
-        old_logps=old_logps, ref_logps=ref_logps,
+        hidden=hidden,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
     )
     check_loss_options(ref_logps=ref_logps, **loss_options)
 
@@ -146,7 +148,12 @@ def selective_log_softmax(
 ) -> torch.Tensor:
     """Reference for :func:`fusetune.selective_log_softmax` (same signature and semantics)."""
     check_selective_log_softmax_args(
-        hidden, weight, token_ids, bias, temperature=temperature, logit_softcap=logit_softcap,
+        hidden,
+        weight,
+        token_ids,
+        bias,
+        temperature=temperature,
+        logit_softcap=logit_softcap,
         logit_scale=logit_scale,
     )
     dtype = matmul_dtype(hidden, weight)
@@ -278,8 +285,14 @@ def grpo_loss_from_logps(
     """(loss, metrics) from per-token log-probs [B, T]; differentiable in ``logps``."""
     ratio = log_ratio(logps, old_logps, completion_mask, importance_sampling_level).exp()
     losses = per_token_loss(
-        logps, ratio, advantages, ref_logps, beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta,
+        logps,
+        ratio,
+        advantages,
+        ref_logps,
+        beta=beta,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=delta,
     )
     weights = token_weights(
         completion_mask, loss_type, max_completion_length, num_items_in_batch, logps.dtype
@@ -317,19 +330,36 @@ def grpo_loss(
     """Reference for :func:`fusetune.grpo_loss` (same signature and semantics; ``chunk_size``
     has no effect here)."""
     loss_options = dict(
-        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+        beta=beta,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
     )
     logit_options = dict(
         temperature=temperature, logit_softcap=logit_softcap, logit_scale=logit_scale
     )
     check_grpo_args(
-        hidden, weight, token_ids, completion_mask, advantages, old_logps=old_logps,
-        ref_logps=ref_logps, bias=bias, loss_options=loss_options, logit_options=logit_options,
+        hidden,
+        weight,
+        token_ids,
+        completion_mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        bias=bias,
+        loss_options=loss_options,
+        logit_options=logit_options,
     )
     logps = selective_log_softmax(hidden, weight, token_ids, bias=bias, **logit_options)
     return grpo_loss_from_logps(
-        logps, completion_mask, advantages, old_logps=old_logps, ref_logps=ref_logps,
+        logps,
+        completion_mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
         **loss_options,
     )
