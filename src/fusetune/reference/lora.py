@@ -1,0 +1,277 @@
+"""Pure-PyTorch LoRA projections: the semantics of :func:`fusetune.lora_linear`,
+:func:`fusetune.lora_qkv` and :func:`fusetune.lora_mlp`, their CPU path and the tests' oracle.
+
+    lora_linear(x) = x W^T + scaling * (x A^T) B^T (+ bias)
+    lora_qkv(x)    = three lora_linear of one x
+    lora_mlp(x)    = down(act(gate(x)) * up(x)), each projection a lora_linear
+
+W [out, in] is the frozen base weight, A [r, in] and B [out, r] the adapter.
+
+Precision (the ops follow the same rule): every matmul runs in one compute dtype, accumulating
+in fp32. Under torch.autocast that is the autocast dtype, as F.linear would use. Outside it: the
+dtype of x and the base weight when they agree; when float32 meets a 16-bit dtype, the 16-bit one
+(as if autocast to it were on); float16 with bfloat16 is an error. The result comes back in the
+compute dtype. Adapters are float32 or the base weight's dtype (A and B alike), as PEFT keeps
+them; their gradients come back in their own dtype, x's gradient in x's. The base weight (and
+bias) are frozen: they must not require grad.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fusetune._utils import (
+    check_choice,
+    check_floating,
+    check_ndim,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
+
+ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+ADAPTER_DTYPE_RULE = "float32 or the base weight's dtype"
+
+
+class Projection(NamedTuple):
+    """One LoRA projection: frozen base ``weight`` [out, in] (and ``bias`` [out]), adapter
+    ``lora_a`` [r, in] and ``lora_b`` [out, r], and its ``scaling`` (PEFT: alpha / r)."""
+
+    weight: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    bias: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def as_projection(name: str, spec: object) -> Projection:
+    """``spec`` as a Projection: a (weight, lora_a, lora_b, scaling[, bias]) tuple."""
+    if isinstance(spec, Projection):
+        return spec
+    if not isinstance(spec, (tuple, list)) or len(spec) not in (4, 5):
+        length = len(spec) if isinstance(spec, (tuple, list)) else None
+        raise TypeError(
+            f"{name} must be a (weight, lora_a, lora_b, scaling) or (weight, lora_a, lora_b, "
+            f"scaling, bias) tuple, got {type(spec).__name__} (length {length})"
+        )
+    return Projection(*spec)
+
+
+def check_projection(prefix: str, p: Projection, in_features: int | None = None) -> None:
+    """Shapes, dtypes and frozenness of one projection; errors name ``prefix + argument``."""
+    names = {k: f"{prefix}{k}" for k in ("weight", "lora_a", "lora_b", "scaling", "bias")}
+    for key in ("weight", "lora_a", "lora_b"):
+        check_floating(names[key], getattr(p, key))
+        check_ndim(names[key], getattr(p, key), (2,), _LAYOUTS[key])
+    out_features, base_in = p.weight.shape
+    rank = p.lora_a.shape[0]
+    if in_features is not None and base_in != in_features:
+        raise ValueError(
+            f"{names['weight']} must be [out, in] with in = x's last dim {in_features}, got "
+            f"{tuple(p.weight.shape)}"
+        )
+    if p.lora_a.shape[1] != base_in or rank == 0:
+        raise ValueError(
+            f"{names['lora_a']} must be [r, in] with r >= 1 and in = {base_in} (the base "
+            f"weight is {tuple(p.weight.shape)}), got {tuple(p.lora_a.shape)}"
+        )
+    if p.lora_b.shape[0] != out_features:
+        raise ValueError(
+            f"{names['lora_b']} must be [out, r] with out = {out_features} (the base weight is "
+            f"{tuple(p.weight.shape)}), got {tuple(p.lora_b.shape)}"
+        )
+    if p.lora_b.shape[1] != rank:
+        raise ValueError(
+            f"{names['lora_b']}'s rank (dim 1) must equal {names['lora_a']}'s rank (dim 0) "
+            f"{rank}: got lora_a {tuple(p.lora_a.shape)} and lora_b {tuple(p.lora_b.shape)}"
+        )
+    check_adapter_dtypes(prefix, p.weight, p.lora_a, p.lora_b)
+    check_number(names["scaling"], p.scaling)
+    if p.bias is not None:
+        check_floating(names["bias"], p.bias)
+        if tuple(p.bias.shape) != (out_features,):
+            raise ValueError(
+                f"{names['bias']} must have shape ({out_features},), got {tuple(p.bias.shape)}"
+            )
+    check_same_device(
+        **{names["weight"]: p.weight, names["lora_a"]: p.lora_a, names["lora_b"]: p.lora_b},
+        **({names["bias"]: p.bias} if p.bias is not None else {}),
+    )
+    _check_frozen(names["weight"], p.weight)
+    if p.bias is not None:
+        _check_frozen(names["bias"], p.bias)
+
+
+_LAYOUTS = {
+    "weight": "[out, in] (the frozen base weight)",
+    "lora_a": "[r, in] (LoRA A, PEFT's lora_A.weight)",
+    "lora_b": "[out, r] (LoRA B, PEFT's lora_B.weight)",
+}
+
+
+def check_adapter_dtypes(
+    prefix: str, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
+) -> None:
+    if lora_a.dtype != lora_b.dtype:
+        raise TypeError(
+            f"{prefix}lora_a and {prefix}lora_b must share one dtype, got {lora_a.dtype} and "
+            f"{lora_b.dtype}"
+        )
+    if lora_a.dtype not in (torch.float32, weight.dtype):
+        raise TypeError(
+            f"{prefix}lora_a and {prefix}lora_b must be {ADAPTER_DTYPE_RULE} ({weight.dtype}), "
+            f"got {lora_a.dtype}"
+        )
+
+
+def _check_frozen(name: str, tensor: torch.Tensor) -> None:
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad, but LoRA keeps the base layer frozen and never computes its "
+            f"gradient; pass {name}.detach() (or freeze it: requires_grad_(False))"
+        )
+
+
+def check_input(x: torch.Tensor, in_features: int) -> None:
+    check_floating("x", check_tensor("x", x))
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"x must be [..., in] with in = {in_features} (the base weight's in-features), got "
+            f"shape {tuple(x.shape)}"
+        )
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype every matmul of a LoRA projection of ``x`` runs in (see the module doc)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if x.dtype == weight.dtype:
+        return x.dtype
+    narrow = {x.dtype, weight.dtype} - {torch.float32, torch.float64}
+    if len(narrow) != 1:
+        raise TypeError(
+            "x and the base weight mix float16 and bfloat16; cast one of them or use "
+            f"torch.autocast (got x {x.dtype}, weight {weight.dtype})"
+        )
+    return narrow.pop()
+
+
+def check_lora_linear_args(x: torch.Tensor, p: Projection) -> torch.dtype:
+    """Checks shared by :func:`fusetune.lora_linear` and its reference; the compute dtype."""
+    check_tensor("weight", p.weight)
+    check_projection("", p)
+    check_input(x, p.weight.shape[1])
+    check_same_device(x=x, weight=p.weight)
+    return compute_dtype(x, p.weight)
+
+
+def check_lora_qkv_args(
+    x: torch.Tensor, q: object, k: object, v: object
+) -> tuple[list[Projection], torch.dtype]:
+    """Checks shared by :func:`fusetune.lora_qkv` and its reference."""
+    projections = [as_projection(name, spec) for name, spec in zip("qkv", (q, k, v), strict=True)]
+    check_tensor("q.weight", projections[0].weight)
+    in_features = projections[0].weight.shape[-1]
+    check_input(x, in_features)
+    for name, p in zip("qkv", projections, strict=True):
+        check_projection(f"{name}.", p, in_features)
+        check_same_device(x=x, **{f"{name}.weight": p.weight})
+    return projections, _one_compute_dtype(x, projections, "qkv")
+
+
+def check_lora_mlp_args(
+    x: torch.Tensor, gate: object, up: object, down: object, activation: str
+) -> tuple[list[Projection], torch.dtype]:
+    """Checks shared by :func:`fusetune.lora_mlp` and its reference."""
+    check_choice("activation", activation, ACTIVATIONS)
+    names = ("gate", "up", "down")
+    projections = [as_projection(n, s) for n, s in zip(names, (gate, up, down), strict=True)]
+    check_tensor("gate.weight", projections[0].weight)
+    hidden = projections[0].weight.shape[-1]
+    check_input(x, hidden)
+    check_projection("gate.", projections[0], hidden)
+    check_projection("up.", projections[1], hidden)
+    intermediate = projections[0].weight.shape[0]
+    if projections[1].weight.shape[0] != intermediate:
+        raise ValueError(
+            f"up.weight must be [intermediate, in] like gate.weight "
+            f"{tuple(projections[0].weight.shape)}, got {tuple(projections[1].weight.shape)}"
+        )
+    check_tensor("down.weight", projections[2].weight)
+    check_projection("down.", projections[2], intermediate)
+    for name, p in zip(names, projections, strict=True):
+        check_same_device(x=x, **{f"{name}.weight": p.weight})
+    return projections, _one_compute_dtype(x, projections, "gate, up and down")
+
+
+def _one_compute_dtype(x: torch.Tensor, projections: list[Projection], what: str) -> torch.dtype:
+    dtypes = {p.weight.dtype for p in projections}
+    if len(dtypes) > 1:
+        first, second, third = (p.weight.dtype for p in projections)
+        raise TypeError(
+            f"the base weights of {what} must share one dtype, got {first}, {second}, {third}"
+        )
+    return compute_dtype(x, projections[0].weight)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _project(x: torch.Tensor, p: Projection, dtype: torch.dtype) -> torch.Tensor:
+    bias = None if p.bias is None else p.bias.to(dtype)
+    base = F.linear(x, p.weight.to(dtype), bias)
+    return base + p.scaling * F.linear(F.linear(x, p.lora_a.to(dtype)), p.lora_b.to(dtype))
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    gate, up_c = gate.to(compute), up.to(compute)
+    if activation == "swiglu":
+        value = F.silu(gate)
+    else:
+        value = F.gelu(gate, approximate="tanh" if activation == "geglu_tanh" else "none")
+    return (value * up_c).to(up.dtype)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    *,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`fusetune.lora_linear` (same signature and semantics)."""
+    p = Projection(weight, lora_a, lora_b, scaling, bias)
+    dtype = check_lora_linear_args(x, p)
+    with torch.autocast(x.device.type, enabled=False):
+        return _project(x.to(dtype), p, dtype)
+
+
+def lora_qkv(
+    x: torch.Tensor, q: object, k: object, v: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`fusetune.lora_qkv` (same signature and semantics)."""
+    projections, dtype = check_lora_qkv_args(x, q, k, v)
+    with torch.autocast(x.device.type, enabled=False):
+        xc = x.to(dtype)
+        return tuple(_project(xc, p, dtype) for p in projections)
+
+
+def lora_mlp(
+    x: torch.Tensor, gate: object, up: object, down: object, activation: str = "swiglu"
+) -> torch.Tensor:
+    """Reference of :func:`fusetune.lora_mlp` (same signature and semantics)."""
+    (gate_p, up_p, down_p), dtype = check_lora_mlp_args(x, gate, up, down, activation)
+    with torch.autocast(x.device.type, enabled=False):
+        xc = x.to(dtype)
+        hidden = _activate(_project(xc, gate_p, dtype), _project(xc, up_p, dtype), activation)
+        return _project(hidden, down_p, dtype)
