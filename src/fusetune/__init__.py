@@ -16,6 +16,7 @@ from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
+from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
 from fusetune.ops.rms_norm import add_rms_norm, rms_norm
 from fusetune.ops.rope import rope
 
@@ -31,6 +32,9 @@ __all__ = [
     "grpo_loss",
     "gsa",
     "linear_cross_entropy",
+    "lora_linear",
+    "lora_mlp",
+    "lora_qkv",
     "nn",
     "reference",
     "rms_norm",

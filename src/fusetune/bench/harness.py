@@ -38,6 +38,7 @@ CASE_MODULES: dict[str, str] = {
     "cross_entropy": "fusetune.bench.cases_cross_entropy",
     "gated_slot_attention": "fusetune.bench.cases_gsa",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
+    "lora": "fusetune.bench.cases_lora",
     "rms_norm": "fusetune.bench.cases_rms_norm",
     "rope": "fusetune.bench.cases_rope",
     "swiglu": "fusetune.bench.cases_swiglu",
