@@ -500,7 +500,9 @@ class _LoraMLPFunction(torch.autograd.Function):
                 grad_b_down = _scaled(torch.mm(dy.t(), xa_down), s_down, b_down)
             upstream = (need_x, needs_a_gate, needs_a_up, need_a_down, need_b_gate, need_b_up)
             if any(upstream):
-                grad_gate, grad_up, sums = _mlp_activation_backward(ctx, dy, gate, up, xa_gate_up)
+                grad_gate, grad_up, sums = _mlp_activation_backward(
+                    ctx, groups, dy, gate, up, xa_gate_up
+                )
                 del gate, up  # (eager: grad_gate and grad_up are these buffers, overwritten)
                 sum_a_down, sum_b_gate, sum_b_up = sums
                 grad_a_down = _grad_to(sum_a_down, a_down) if need_a_down else None
@@ -520,10 +522,10 @@ class _LoraMLPFunction(torch.autograd.Function):
                 grad_a_up, grad_b_up, None, None, grad_a_down, grad_b_down)
 
 
-def _mlp_activation_backward(ctx, dy, gate, up, xa_gate_up):
+def _mlp_activation_backward(ctx, groups, dy, gate, up, xa_gate_up):
     """(dgate, dup, (s_d g_d^T h, s_g xa_g^T dgate, s_u xa_u^T dup)) through the backward
     kernel. In eager mode dgate and dup overwrite the saved gate and up."""
-    groups, dtype = _groups(ctx.saved_tensors[5:]), ctx.dtype
+    dtype = ctx.dtype
     (_, _, _, b_gate), (_, _, _, b_up), (w_down, _, a_down, b_down) = groups
     s_gate, s_up, s_down = ctx.scalings
     xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
