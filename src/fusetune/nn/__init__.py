@@ -1,7 +1,7 @@
 """torch.nn.Module wrappers of fusetune's ops."""
 
 from fusetune.nn.gsa import GatedSlotAttention
-from fusetune.nn.loss import CrossEntropyLoss, LinearCrossEntropyLoss
+from fusetune.nn.loss import CrossEntropyLoss, GRPOLoss, LinearCrossEntropyLoss
 from fusetune.nn.mlp import GatedMLP, GeGLUMLP, SwiGLUMLP
 from fusetune.nn.norm import RMSNorm
 from fusetune.nn.rope import RotaryEmbedding
@@ -10,6 +10,7 @@ __all__ = [
     "CrossEntropyLoss",
     "GatedMLP",
     "GatedSlotAttention",
+    "GRPOLoss",
     "GeGLUMLP",
     "LinearCrossEntropyLoss",
     "RMSNorm",

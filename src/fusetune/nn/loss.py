@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusetune.ops.cross_entropy import cross_entropy
+from fusetune.ops.grpo import grpo_loss
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 
 
@@ -103,4 +104,69 @@ class LinearCrossEntropyLoss(_LossWithOptions):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return linear_cross_entropy(
             hidden, weight, labels, bias, num_items=num_items, **self.options
+        )
+
+
+class GRPOLoss(_LossWithOptions):
+    """Module form of :func:`fusetune.grpo_loss`; the options are fixed at construction.
+
+    ``forward(hidden, weight, token_ids, completion_mask, advantages, old_logps=None,
+    ref_logps=None, bias=None, num_items_in_batch=None)`` takes hidden [B, T, H], the lm_head
+    weight [V, H], token_ids and completion_mask [B, T], advantages [B] and optional log-probs
+    [B, T], and returns (loss, metrics) as :func:`fusetune.grpo_loss` does. The module holds no
+    weight: pass the policy's lm_head weight.
+    """
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.0,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        delta: float | None = None,
+        temperature: float = 1.0,
+        loss_type: str = "grpo",
+        importance_sampling_level: str = "token",
+        max_completion_length: int | None = None,
+        logit_softcap: float | None = None,
+        logit_scale: float | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            beta=beta,
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            delta=delta,
+            temperature=temperature,
+            loss_type=loss_type,
+            importance_sampling_level=importance_sampling_level,
+            max_completion_length=max_completion_length,
+            logit_softcap=logit_softcap,
+            logit_scale=logit_scale,
+            chunk_size=chunk_size,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        token_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        old_logps: torch.Tensor | None = None,
+        ref_logps: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return grpo_loss(
+            hidden,
+            weight,
+            token_ids,
+            completion_mask,
+            advantages,
+            old_logps=old_logps,
+            ref_logps=ref_logps,
+            bias=bias,
+            num_items_in_batch=num_items_in_batch,
+            **self.options,
         )

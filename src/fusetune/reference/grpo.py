@@ -145,8 +145,10 @@ def selective_log_softmax(
     temperature: float = 1.0,
     logit_softcap: float | None = None,
     logit_scale: float | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Reference for :func:`fusetune.selective_log_softmax` (same signature and semantics)."""
+    """Reference for :func:`fusetune.selective_log_softmax` (same signature and semantics;
+    ``chunk_size`` has no effect here)."""
     check_selective_log_softmax_args(
         hidden,
         weight,
