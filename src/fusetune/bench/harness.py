@@ -37,6 +37,7 @@ import torch
 CASE_MODULES: dict[str, str] = {
     "cross_entropy": "fusetune.bench.cases_cross_entropy",
     "gated_slot_attention": "fusetune.bench.cases_gsa",
+    "grpo": "fusetune.bench.cases_grpo",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
     "lora": "fusetune.bench.cases_lora",
     "rms_norm": "fusetune.bench.cases_rms_norm",
