@@ -368,7 +368,7 @@ LINEAR_ERRORS = {
         "weight|requires grad|frozen",
     ),
     "x-last-dim": (dict(x_features=7), ValueError, "x must be"),
-    "bias-shape": (dict(bias=torch.randn(5)), ValueError, "bias|(6,)"),
+    "bias-shape": (dict(bias=torch.randn(5)), ValueError, "bias|shape"),
     "weight-1d": (dict(weight=torch.randn(6)), ValueError, "weight|[out, in]"),
     "scaling-not-a-number": (dict(scaling="2"), TypeError, "scaling"),
     "integer-adapter": (dict(lora_a=torch.ones(2, 8, dtype=torch.long)), TypeError, "lora_a"),

@@ -209,8 +209,8 @@ def _store_partial(ptr, split, rank, n_cols, cols, col_mask, values, R: tl.const
 # Tiles (measured on an H100, NOTES.md). Forward: one [BM, BN] tile per program. Backward: BN
 # columns per program, rows in BM steps, the rows split so that about BACKWARD_PROGRAMS_PER_SM
 # programs per SM run (the column sums of each split are added on the host, deterministically).
-FORWARD_BM, FORWARD_BN, FORWARD_WARPS = 64, 128, 8
-BACKWARD_BM, BACKWARD_BN, BACKWARD_WARPS = 32, 128, 8
+FORWARD_BM, FORWARD_BN, FORWARD_WARPS = 32, 128, 4
+BACKWARD_BM, BACKWARD_BN, BACKWARD_WARPS = 32, 64, 4
 BACKWARD_PROGRAMS_PER_SM = 4
 
 
@@ -403,7 +403,7 @@ def _thin_columns(xa_all, groups):
 
 def _needs(ctx, groups, first):
     """(needs lora_a, needs lora_b) per projection; its tensors start at input ``first``."""
-    flags = ctx.needs_input_grad[first:]
+    flags = ctx.flags[first:]
     return ([flags[4 * i + 2] for i in range(len(groups))],
             [flags[4 * i + 3] for i in range(len(groups))])
 
@@ -428,6 +428,9 @@ class _LoraProjectionsFunction(torch.autograd.Function):
                 outputs.append(y.addmm_(xa, lora_b.to(dtype).t(), alpha=s))
         ctx.save_for_backward(x, xa_all, *tensors)
         ctx.dtype, ctx.scalings = dtype, scalings
+        # Read in forward: torch 2.11's Dynamo traces a backward that reads needs_input_grad
+        # as if nothing needed a gradient (all-zero gradients under Inductor).
+        ctx.flags = tuple(ctx.needs_input_grad)
         return tuple(outputs)
 
     @staticmethod
@@ -435,7 +438,7 @@ class _LoraProjectionsFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         x, xa_all, *tensors = ctx.saved_tensors
         groups, dtype = _groups(tensors), ctx.dtype
-        need_x = ctx.needs_input_grad[0]
+        need_x = ctx.flags[0]
         needs_a, needs_b = _needs(ctx, groups, 3)
         grad_x = None
         with _no_autocast(x):
@@ -478,6 +481,7 @@ class _LoraMLPFunction(torch.autograd.Function):
             y.addmm_(xa_down, b_down.to(dtype).t(), alpha=s_down)
         ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *tensors)
         ctx.dtype, ctx.activation, ctx.scalings = dtype, activation, scalings
+        ctx.flags = tuple(ctx.needs_input_grad)  # (see _LoraProjectionsFunction.forward)
         ctx.overwritten = False
         return y
 
@@ -490,7 +494,7 @@ class _LoraMLPFunction(torch.autograd.Function):
         (needs_a_gate, needs_a_up, need_a_down), (need_b_gate, need_b_up, need_b_down) = (
             _needs(ctx, groups, 4)
         )
-        need_x = ctx.needs_input_grad[0]
+        need_x = ctx.flags[0]
         grad_x = grad_a_gate = grad_b_gate = grad_a_up = grad_b_up = grad_a_down = None
         with _no_autocast(x):
             dy = grad_y.to(dtype)
