@@ -534,11 +534,11 @@ SHAPES = dict(
 BAD_INPUTS = {
     "logits-for-hidden": (dict(hidden=(2, 3, 50)), "(2, 3, 50)|(50, 16)|looks like logits"),
     "hidden-2d": (dict(hidden=(6, 16)), "hidden|[B, T, H]"),
-    "ids-shape": (dict(token_ids=(2, 4)), "token_ids must have shape (2, 3)|(2, 4)"),
-    "mask-shape": (dict(completion_mask=(3, 3)), "completion_mask must have shape|(3, 3)"),
-    "advantages-shape": (dict(advantages=(2, 3)), "advantages must have shape (2,)|(2, 3)"),
-    "old-shape": (dict(old_logps=(2, 2)), "old_logps must have shape (2, 3)|(2, 2)"),
-    "ref-shape": (dict(ref_logps=(1, 3)), "ref_logps must have shape (2, 3)|(1, 3)"),
+    "ids-shape": (dict(token_ids=(2, 4)), "token_ids|must have shape|(2, 3)|(2, 4)"),
+    "mask-shape": (dict(completion_mask=(3, 3)), "completion_mask|must have shape|(3, 3)"),
+    "advantages-shape": (dict(advantages=(2, 3)), "advantages|must have shape|(2,)|(2, 3)"),
+    "old-shape": (dict(old_logps=(2, 2)), "old_logps|must have shape|(2, 3)|(2, 2)"),
+    "ref-shape": (dict(ref_logps=(1, 3)), "ref_logps|must have shape|(2, 3)|(1, 3)"),
 }
 BAD_OPTIONS = {
     "loss-type": (dict(loss_type="ppo"), "loss_type|ppo"),

@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench
 
 import fusetune
+from fusetune.ops import grpo as grpo_module
 from fusetune.ops.linear_cross_entropy import chunk_rows
 
 B, T, H, V = 8, 1024, 4096, 128256
@@ -41,7 +42,7 @@ def main() -> None:
     with torch.no_grad():
         logps = fusetune.selective_log_softmax(hidden, weight, ids)
     old, ref = logps + 0.1 * torch.randn_like(logps), logps + 0.1 * torch.randn_like(logps)
-    default = chunk_rows(B * T, weight)
+    default = chunk_rows(B * T, weight, weight_fraction=grpo_module.LOGITS_WEIGHT_FRACTION)
     print(f"{'rows':>6} {'grpo ms':>8} {'GiB':>6} {'lce ms':>8} {'GiB':>6}")
     for rows in sorted({default, *args.rows}):
 

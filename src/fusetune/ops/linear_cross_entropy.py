@@ -44,12 +44,16 @@ def _free_bytes(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def chunk_rows(n_rows: int, weight: torch.Tensor, override: int = 0) -> int:
-    """Rows per chunk: ``override`` when > 0, else chosen from the weight and the free memory."""
+def chunk_rows(
+    n_rows: int, weight: torch.Tensor, override: int = 0,
+    weight_fraction: int = LOGITS_WEIGHT_FRACTION,
+) -> int:
+    """Rows per chunk: ``override`` when > 0, else chosen from the weight and the free memory
+    (a chunk's logits take 1 / ``weight_fraction`` of the weight's bytes)."""
     if override > 0:
         return max(1, min(override, n_rows))
     vocab, element = weight.shape[0], weight.element_size()
-    budget = max(weight.numel() * element // LOGITS_WEIGHT_FRACTION, MIN_LOGITS_BYTES)
+    budget = max(weight.numel() * element // weight_fraction, MIN_LOGITS_BYTES)
     free = _free_bytes(weight.device)
     if free is not None:
         budget = min(budget, free // 4)
@@ -92,11 +96,12 @@ class _Grads:
         return self.hidden, self.weight, self.bias
 
 
-def _logit_chunks(hidden, weight, bias, chunk_override: int):
+def _logit_chunks(hidden, weight, bias, chunk_override: int,
+                  weight_fraction: int = LOGITS_WEIGHT_FRACTION):
     """(rows, logits [1, rows, V], cross-entropy launch plan) for each chunk of rows. The logits
     share one buffer: a chunk's are overwritten when the next chunk is asked for."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    rows = chunk_rows(n_rows, weight, chunk_override)
+    rows = chunk_rows(n_rows, weight, chunk_override, weight_fraction)
     buffer = _utils.empty((min(rows, n_rows), vocab), hidden.dtype, hidden.device)
     plan = ce._launch_plan(rows, vocab, hidden.device)
     for start in range(0, n_rows, rows):
