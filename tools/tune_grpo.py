@@ -10,24 +10,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from triton.testing import do_bench
+from tune_linear_cross_entropy import measure  # tools/ is on sys.path when run as a script
 
 import fusetune
 from fusetune.ops import grpo as grpo_module
 from fusetune.ops.linear_cross_entropy import chunk_rows
 
 B, T, H, V = 8, 1024, 4096, 128256
-
-
-def measure(step) -> tuple[float, float]:
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return do_bench(step, warmup=25, rep=200), peak
 
 
 def main() -> None:

@@ -54,19 +54,23 @@ def check_loss_options(
     check_number("logit_softcap", logit_softcap, low=0.0, low_inclusive=False, optional=True)
     check_number("logit_scale", logit_scale, low=0.0, low_inclusive=False, optional=True)
     check_number("z_loss", z_loss, low=0.0)
-    if num_items is not None:
-        if reduction == "none":
-            raise ValueError("num_items divides a summed loss; it needs reduction 'mean' or 'sum'")
-        if isinstance(num_items, torch.Tensor):
-            if num_items.numel() != 1:
-                raise ValueError(
-                    "num_items must be a number or a 1-element tensor, "
-                    f"got shape {tuple(num_items.shape)}"
-                )
-        else:
-            check_number("num_items", num_items, low=0.0, low_inclusive=False)
+    if num_items is not None and reduction == "none":
+        raise ValueError("num_items divides a summed loss; it needs reduction 'mean' or 'sum'")
+    check_item_count("num_items", num_items)
     if inplace_backward and reduction == "none":
         raise ValueError("inplace_backward needs reduction 'mean' or 'sum' (got 'none')")
+
+
+def check_item_count(name: str, value: float | torch.Tensor | None) -> None:
+    """A loss denominator: None, a positive number, or a 1-element tensor (read on the device,
+    so its value is not checked)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}"
+            )
+    else:
+        check_number(name, value, low=0.0, low_inclusive=False, optional=True)
 
 
 def check_labels_in_range(

@@ -23,6 +23,7 @@ from fusetune._utils import (
     check_number,
     check_same_device,
 )
+from fusetune.reference.cross_entropy import check_item_count
 from fusetune.reference.linear_cross_entropy import check_lm_head, matmul_dtype
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -114,16 +115,7 @@ def check_loss_options(
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("loss_type 'dr_grpo' divides by B * max_completion_length: pass it")
     check_number("max_completion_length", max_completion_length, low=1, optional=True)
-    if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
-            raise ValueError(
-                "num_items_in_batch must be a number or a 1-element tensor, "
-                f"got shape {tuple(num_items_in_batch.shape)}"
-            )
-    else:
-        check_number(
-            "num_items_in_batch", num_items_in_batch, low=0.0, low_inclusive=False, optional=True
-        )
+    check_item_count("num_items_in_batch", num_items_in_batch)
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size, meaning: str) -> None:
