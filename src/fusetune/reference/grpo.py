@@ -23,7 +23,7 @@ from fusetune._utils import (
     check_number,
     check_same_device,
 )
-from fusetune.reference.cross_entropy import check_item_count
+from fusetune.reference.cross_entropy import check_item_count, check_labels_in_range
 from fusetune.reference.linear_cross_entropy import check_lm_head, matmul_dtype
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -150,6 +150,8 @@ def selective_log_softmax(
         logit_softcap=logit_softcap,
         logit_scale=logit_scale,
     )
+    if token_ids.device.type == "cpu":  # on CUDA this check would sync the host
+        check_labels_in_range(token_ids, weight.shape[0], IGNORED_TOKEN, name="token_ids")
     dtype = matmul_dtype(hidden, weight)
     logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
