@@ -326,9 +326,13 @@ def _glu_backward_op(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b
 # ============================================================================ autograd
 
 
-def _no_autocast(t: torch.Tensor):
-    """The Functions cast explicitly to the compute dtype; autocast must not re-cast inside."""
-    return torch.autocast(t.device.type, enabled=False)
+def _add_mm(acc, a, b, alpha, inplace: bool):
+    """acc + alpha * a @ b: in place into acc (a fresh buffer of ours) in eager mode; out of
+    place when traced, which leaves buffer reuse to the compiler and keeps the traced graph
+    free of mutations (torch 2.11 compiled this op's gradients wrong; see NOTES.md)."""
+    if inplace:
+        return acc.addmm_(a, b, alpha=alpha)
+    return torch.addmm(acc, a, b, alpha=alpha)
 
 
 def _grad_to(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -381,6 +385,17 @@ def _groups(tensors):
     return [tuple(tensors[i : i + 4]) for i in range(0, len(tensors), 4)]
 
 
+def _without_bias(groups):
+    """(weight, lora_a, lora_b) per projection, flat, for save_for_backward: the backward needs
+    no bias, and saving only tensors (no None) keeps every Dynamo version's unpacking simple."""
+    return [t for weight, _, lora_a, lora_b in groups for t in (weight, lora_a, lora_b)]
+
+
+def _with_bias(saved):
+    """The groups back from :func:`_without_bias`'s tensors (bias None)."""
+    return [(saved[i], None, saved[i + 1], saved[i + 2]) for i in range(0, len(saved), 3)]
+
+
 def _stacked_a(groups, dtype, scalings=None):
     """The projections' A's stacked [sum r, in] in the compute dtype (one x A^T for all); each
     times its scaling when given (for dx += g @ s A)."""
@@ -417,16 +432,16 @@ class _LoraProjectionsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dtype, scalings, *tensors):
         groups = _groups(tensors)
-        with _no_autocast(x):
-            xc = x.to(dtype)
-            xa_all = torch.mm(xc, _stacked_a(groups, dtype).t())
-            outputs = []
-            for (weight, bias, _, lora_b), xa, s in zip(
-                groups, _thin_columns(xa_all, groups), scalings, strict=True
-            ):
-                y = _linear(xc, weight, bias, dtype)
-                outputs.append(y.addmm_(xa, lora_b.to(dtype).t(), alpha=s))
-        ctx.save_for_backward(x, xa_all, *tensors)
+        eager = _utils.plain_eager(x, *tensors)
+        xc = x.to(dtype)
+        xa_all = torch.mm(xc, _stacked_a(groups, dtype).t())
+        outputs = []
+        for (weight, bias, _, lora_b), xa, s in zip(
+            groups, _thin_columns(xa_all, groups), scalings, strict=True
+        ):
+            y = _linear(xc, weight, bias, dtype)
+            outputs.append(_add_mm(y, xa, lora_b.to(dtype).t(), s, eager))
+        ctx.save_for_backward(x, xa_all, *_without_bias(groups))
         ctx.dtype, ctx.scalings = dtype, scalings
         # Read in forward: torch 2.11's Dynamo traces a backward that reads needs_input_grad
         # as if nothing needed a gradient (all-zero gradients under Inductor).
@@ -437,22 +452,23 @@ class _LoraProjectionsFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         x, xa_all, *tensors = ctx.saved_tensors
-        groups, dtype = _groups(tensors), ctx.dtype
+        groups, dtype = _with_bias(tensors), ctx.dtype
         need_x = ctx.flags[0]
         needs_a, needs_b = _needs(ctx, groups, 3)
         grad_x = None
-        with _no_autocast(x):
-            dys = [grad.to(dtype) for grad in grads]
-            xc = x.to(dtype)
-            grads_a, grads_b, g = _thin_grads(
-                xc, dys, _thin_columns(xa_all, groups), [grp[2] for grp in groups],
-                [grp[3] for grp in groups], ctx.scalings, needs_a, needs_b, need_x, dtype,
-            )
-            if need_x:
-                grad_x = torch.mm(dys[0], groups[0][0].to(dtype))
-                for dy, (weight, *_) in zip(dys[1:], groups[1:], strict=True):
-                    grad_x.addmm_(dy, weight.to(dtype))
-                grad_x = grad_x.addmm_(g, _stacked_a(groups, dtype, ctx.scalings)).to(x.dtype)
+        eager = _utils.plain_eager(x, *grads)
+        dys = [grad.to(dtype) for grad in grads]
+        xc = x.to(dtype)
+        grads_a, grads_b, g = _thin_grads(
+            xc, dys, _thin_columns(xa_all, groups), [grp[2] for grp in groups],
+            [grp[3] for grp in groups], ctx.scalings, needs_a, needs_b, need_x, dtype,
+        )
+        if need_x:
+            grad_x = torch.mm(dys[0], groups[0][0].to(dtype))
+            for dy, (weight, *_) in zip(dys[1:], groups[1:], strict=True):
+                grad_x = _add_mm(grad_x, dy, weight.to(dtype), 1, eager)
+            grad_x = _add_mm(grad_x, g, _stacked_a(groups, dtype, ctx.scalings), 1, eager)
+            grad_x = grad_x.to(x.dtype)
         per_projection = [(None, None, ga, gb) for ga, gb in zip(grads_a, grads_b, strict=True)]
         return (grad_x, None, None, *(g for grads in per_projection for g in grads))
 
@@ -467,19 +483,19 @@ class _LoraMLPFunction(torch.autograd.Function):
         (w_gate, bias_gate, _, b_gate), (w_up, bias_up, _, b_up), down = groups
         w_down, bias_down, a_down, b_down = down
         s_gate, s_up, s_down = scalings
-        glu = _glu_forward if _utils.plain_eager(x, *tensors) else _glu_forward_op
-        with _no_autocast(x):
-            xc = x.to(dtype)
-            xa_gate_up = torch.mm(xc, _stacked_a(groups[:2], dtype).t())
-            xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
-            gate = _linear(xc, w_gate, bias_gate, dtype)
-            up = _linear(xc, w_up, bias_up, dtype)
-            h = glu(gate, up, xa_gate, xa_up, b_gate.to(dtype), b_up.to(dtype), s_gate, s_up,
-                    activation)
-            xa_down = torch.mm(h, a_down.to(dtype).t())
-            y = _linear(h, w_down, bias_down, dtype)
-            y.addmm_(xa_down, b_down.to(dtype).t(), alpha=s_down)
-        ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *tensors)
+        eager = _utils.plain_eager(x, *tensors)
+        glu = _glu_forward if eager else _glu_forward_op
+        xc = x.to(dtype)
+        xa_gate_up = torch.mm(xc, _stacked_a(groups[:2], dtype).t())
+        xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
+        gate = _linear(xc, w_gate, bias_gate, dtype)
+        up = _linear(xc, w_up, bias_up, dtype)
+        h = glu(gate, up, xa_gate, xa_up, b_gate.to(dtype), b_up.to(dtype), s_gate, s_up,
+                activation)
+        xa_down = torch.mm(h, a_down.to(dtype).t())
+        y = _linear(h, w_down, bias_down, dtype)
+        y = _add_mm(y, xa_down, b_down.to(dtype).t(), s_down, eager)
+        ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *_without_bias(groups))
         ctx.dtype, ctx.activation, ctx.scalings = dtype, activation, scalings
         ctx.flags = tuple(ctx.needs_input_grad)  # (see _LoraProjectionsFunction.forward)
         ctx.overwritten = False
@@ -489,39 +505,40 @@ class _LoraMLPFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         x, gate, up, xa_gate_up, xa_down, *tensors = ctx.saved_tensors
-        groups, dtype = _groups(tensors), ctx.dtype
+        groups, dtype = _with_bias(tensors), ctx.dtype
         s_gate, s_up, s_down = ctx.scalings
         (needs_a_gate, needs_a_up, need_a_down), (need_b_gate, need_b_up, need_b_down) = (
             _needs(ctx, groups, 4)
         )
         need_x = ctx.flags[0]
         grad_x = grad_a_gate = grad_b_gate = grad_a_up = grad_b_up = grad_a_down = None
-        with _no_autocast(x):
-            dy = grad_y.to(dtype)
-            _, _, a_down, b_down = groups[2]
-            grad_b_down = None
-            if need_b_down:
-                grad_b_down = _scaled(torch.mm(dy.t(), xa_down), s_down, b_down)
-            upstream = (need_x, needs_a_gate, needs_a_up, need_a_down, need_b_gate, need_b_up)
-            if any(upstream):
-                grad_gate, grad_up, sums = _mlp_activation_backward(
-                    ctx, groups, dy, gate, up, xa_gate_up
-                )
-                del gate, up  # (eager: grad_gate and grad_up are these buffers, overwritten)
-                sum_a_down, sum_b_gate, sum_b_up = sums
-                grad_a_down = _grad_to(sum_a_down, a_down) if need_a_down else None
-                grad_b_gate = _transposed_grad(sum_b_gate, groups[0][3], need_b_gate)
-                grad_b_up = _transposed_grad(sum_b_up, groups[1][3], need_b_up)
-                (grad_a_gate, grad_a_up), _, g = _thin_grads(
-                    x.to(dtype), (grad_gate, grad_up), _thin_columns(xa_gate_up, groups[:2]),
-                    (groups[0][2], groups[1][2]), (groups[0][3], groups[1][3]), (s_gate, s_up),
-                    (needs_a_gate, needs_a_up), (False, False), need_x, dtype,
-                )
-                if need_x:
-                    grad_x = torch.mm(grad_gate, groups[0][0].to(dtype))
-                    grad_x.addmm_(grad_up, groups[1][0].to(dtype))
-                    grad_x = grad_x.addmm_(g, _stacked_a(groups[:2], dtype, (s_gate, s_up)))
-                    grad_x = grad_x.to(x.dtype)
+        dy = grad_y.to(dtype)
+        eager = _utils.plain_eager(x, grad_y)
+        _, _, a_down, b_down = groups[2]
+        grad_b_down = None
+        if need_b_down:
+            grad_b_down = _scaled(torch.mm(dy.t(), xa_down), s_down, b_down)
+        upstream = (need_x, needs_a_gate, needs_a_up, need_a_down, need_b_gate, need_b_up)
+        if any(upstream):
+            grad_gate, grad_up, sums = _mlp_activation_backward(
+                ctx, groups, dy, gate, up, xa_gate_up
+            )
+            del gate, up  # (eager: grad_gate and grad_up are these buffers, overwritten)
+            sum_a_down, sum_b_gate, sum_b_up = sums
+            grad_a_down = _grad_to(sum_a_down, a_down) if need_a_down else None
+            grad_b_gate = _transposed_grad(sum_b_gate, groups[0][3], need_b_gate)
+            grad_b_up = _transposed_grad(sum_b_up, groups[1][3], need_b_up)
+            (grad_a_gate, grad_a_up), _, g = _thin_grads(
+                x.to(dtype), (grad_gate, grad_up), _thin_columns(xa_gate_up, groups[:2]),
+                (groups[0][2], groups[1][2]), (groups[0][3], groups[1][3]), (s_gate, s_up),
+                (needs_a_gate, needs_a_up), (False, False), need_x, dtype,
+            )
+            if need_x:
+                grad_x = torch.mm(grad_gate, groups[0][0].to(dtype))
+                grad_x = _add_mm(grad_x, grad_up, groups[1][0].to(dtype), 1, eager)
+                stacked_a = _stacked_a(groups[:2], dtype, (s_gate, s_up))
+                grad_x = _add_mm(grad_x, g, stacked_a, 1, eager)
+                grad_x = grad_x.to(x.dtype)
         return (grad_x, None, None, None, None, None, grad_a_gate, grad_b_gate, None, None,
                 grad_a_up, grad_b_up, None, None, grad_a_down, grad_b_down)
 
