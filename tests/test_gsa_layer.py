@@ -80,10 +80,10 @@ def test_transformers_llama_trains_with_gsa():
         layer.self_attn = fusetune.nn.GatedSlotAttention(
             32, num_heads=2, num_kv_heads=1, num_slots=8, layer_idx=index
         ).to(DEVICE)
-    tokens = torch.randint(0, 64, (2, 24), device=DEVICE)
+    tokens = torch.randint(0, 64, (2, 20), device=DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(8):
+    for _ in range(4):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()

@@ -41,11 +41,21 @@ def mm_inputs(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def mm(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` (fp32) with computed fp32 operands: tf32 for bf16/fp16 inputs, else IEEE."""
+    """``a @ b`` (fp32) with a computed fp32 operand (an input tile is widened): tf32 for
+    bf16/fp16 inputs, else IEEE."""
     if DOT == 2:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision="tf32")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
+def mm_wide(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """``mm(a, b)`` for a few rows ``a`` [16, K] and a wide ``b`` [K, 64+], computed as
+    (b^T a^T)^T: the wide side becomes the matmul's M, which Hopper runs as wgmma with b staged
+    in shared memory; a 16-row M runs as mma.sync with both operands replicated in registers
+    (twice the registers; the GSA kernels spilled)."""
+    return tl.trans(mm(tl.trans(b), tl.trans(a), DOT, UPCAST))
 
 
 @triton.jit

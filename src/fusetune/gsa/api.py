@@ -174,21 +174,31 @@ def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
 
 
 class _ChunkPlan:
-    """Chunk-mode sizes: S tokens per program, slots for per-chunk states, the 2-D grid."""
+    """Chunk-mode sizes: S tokens per program, slots for per-chunk states, the 2-D grids."""
 
     def __init__(self, geom: Geometry, batch: int) -> None:
         self.const = chunk.constants(geom.seq_len, _utils.INTERPRET)
-        self.num_warps = self.const.pop("num_warps")
         self.S = self.const["S"]
         self.max_chunks = _utils.cdiv(geom.seq_len, self.S)
         # Packed sequence n owns slots [bos // S + n, ...): at most T // S + N + 1 in all.
         self.slots = (self.max_chunks + geom.n_seq + 1 if geom.varlen
                       else batch * self.max_chunks)
-        self.grid = (self.max_chunks, geom.n_seq * geom.q_heads)
+        self.grid = (self.max_chunks, geom.n_seq * geom.q_heads)  # per chunk
+        blocks = self.max_chunks * (self.S // self.const["BT"])
+        self.block_grid = (blocks, geom.n_seq * geom.q_heads)  # per block of BT tokens
+        self.slot_block = min(chunk.SLOT_BLOCK, geom.blocks["BM"])
+        self.slot_blocks = _utils.cdiv(geom.slots, self.slot_block)
 
-    def common(self, geom: Geometry) -> dict:
-        return dict(**geom.blocks, VARLEN=geom.varlen, DOT=geom.dot, UPCAST=UPCAST,
-                    num_warps=self.num_warps)
+    def common(self, geom: Geometry, kernel: str) -> dict:
+        return dict(BK=geom.blocks["BK"], BV=geom.blocks["BV"], VARLEN=geom.varlen, DOT=geom.dot,
+                    UPCAST=UPCAST, num_warps=chunk.NUM_WARPS[kernel])
+
+    def sequential(self, geom: Geometry, kernel: str) -> dict:
+        """Launch constants of the kernels that walk whole sequences (per block of slots)."""
+        return dict(**self.common(geom, kernel), BMS=self.slot_block, S=self.S)
+
+    def per_chunk(self, geom: Geometry, kernel: str) -> dict:
+        return dict(**self.common(geom, kernel), BM=geom.blocks["BM"], **self.const)
 
 
 def _strides(*pairs) -> list[int]:
@@ -196,25 +206,27 @@ def _strides(*pairs) -> list[int]:
 
 
 def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=None):
-    """Chunk-start states [slots, H, ...] (fp32); fills ``final`` = (hkT, hvT) and, with
-    ``dht`` = (dhkT, dhvT), returns the final-state term of dg [N, H, M]."""
+    """Chunk-start states [slots, H, ...] (fp32) and the gate cumsums restarted every block
+    [B, T, H, M] (fp32); fills ``final`` = (hkT, hvT) and, with ``dht`` = (dhkT, dhvT), returns
+    the final-state term of dg [N, H, M]."""
     device, heads = k.device, geom.q_heads // geom.group
     hk_shape, hv_shape = _state_shapes(geom, heads)
     hk_buf = _utils.empty((plan.slots, *hk_shape[1:]), torch.float32, device)
     hv_buf = _utils.empty((plan.slots, *hv_shape[1:]), torch.float32, device)
+    gc = _utils.empty((k.shape[0], geom.seq_len, heads, geom.slots), torch.float32, device)
     f_buf = _utils.empty((geom.n_seq, heads, geom.slots) if dht else (0,), torch.float32, device)
     dummy = hk_buf
     if geom.n_seq * heads:
-        chunk.states_kernel[(geom.n_seq * heads,)](
-            k, v, s, g, dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
+        chunk.states_kernel[(plan.slot_blocks, geom.n_seq * heads)](
+            k, v, s, g, gc, dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
             hk_buf, hv_buf, *(final or (dummy, dummy)), *(dht or (dummy, dummy)), f_buf,
             dummy if cu is None else cu,
-            *_strides((k, layout), (v, layout), (s, layout), (g, layout)),
+            *_strides((k, layout), (v, layout), (s, layout), (g, layout), (gc, "BTHD")),
             geom.seq_len, heads, geom.key_dim, geom.value_dim, geom.slots, plan.max_chunks,
-            S=plan.S, HAS_H0=hk0 is not None, STORE_HT=final is not None,
-            HAS_DHT=dht is not None, **plan.common(geom),
+            HAS_H0=hk0 is not None, STORE_HT=final is not None,
+            HAS_DHT=dht is not None, **plan.sequential(geom, "states"),
         )
-    return hk_buf, hv_buf, f_buf
+    return hk_buf, hv_buf, gc, f_buf
 
 
 def _forward_chunked(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state):
@@ -225,16 +237,16 @@ def _forward_chunked(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_
     hk_shape, hv_shape = _state_shapes(geom, heads) if output_final_state else ((0,), (0,))
     hkT = _utils.empty(hk_shape, torch.float32, q.device)
     hvT = _utils.empty(hv_shape, torch.float32, q.device)
-    hk_buf, hv_buf, _ = _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout,
-                                    final=(hkT, hvT) if output_final_state else None)
+    hk_buf, hv_buf, gc, _ = _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout,
+                                        final=(hkT, hvT) if output_final_state else None)
     o = _utils.empty(q.shape[:3] + (geom.value_dim,), q.dtype, q.device)
     if plan.max_chunks and geom.n_seq * geom.q_heads:
-        chunk.fwd_kernel[plan.grid](
-            q, k, v, s, g, o, hk_buf, hv_buf, o if cu is None else cu,
-            *_strides((q, layout), (k, layout), (v, layout), (s, layout), (g, layout),
+        chunk.fwd_kernel[plan.block_grid](
+            q, k, v, s, gc, o, hk_buf, hv_buf, o if cu is None else cu,
+            *_strides((q, layout), (k, layout), (v, layout), (s, layout), (gc, "BTHD"),
                       (o, layout)),
             geom.scale, geom.seq_len, geom.q_heads, geom.group, geom.key_dim, geom.value_dim,
-            geom.slots, plan.max_chunks, **plan.const, **plan.common(geom),
+            geom.slots, plan.max_chunks, **plan.per_chunk(geom, "fwd"),
         )
     return o, hkT, hvT
 
@@ -251,7 +263,8 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
         hk_shape, hv_shape = _state_shapes(geom, hq // group)
         dht = ((torch.zeros(hk_shape, device=device) if dhkT is None else dhkT).contiguous(),
                (torch.zeros(hv_shape, device=device) if dhvT is None else dhvT).contiguous())
-    hk_buf, hv_buf, f_buf = _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, dht=dht)
+    hk_buf, hv_buf, gc, f_buf = _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout,
+                                            dht=dht)
     batch, parallel = q.shape[0], plan.max_chunks and geom.n_seq * hq
     w_shape = (batch, geom.seq_len, hq, geom.slots)  # fp32 per-token buffers, BTHD order
     p_buf, da_buf, r_buf = (_utils.empty(w_shape, torch.float32, device) for _ in range(3))
@@ -259,23 +272,22 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     cu_arg = dq if cu is None else cu
     sizes = (geom.scale, geom.seq_len, hq, group, geom.key_dim, geom.value_dim, geom.slots,
              plan.max_chunks)
-    io_strides = _strides((q, layout), (k, layout), (v, layout), (s, layout), (g, layout),
+    io_strides = _strides((q, layout), (k, layout), (v, layout), (s, layout), (gc, "BTHD"),
                           (do, layout))
     if parallel:
-        chunk.bwd_a_kernel[plan.grid](
-            q, k, v, s, g, do, dq, p_buf, da_buf, r_buf, hk_buf, hv_buf, cu_arg, *io_strides,
-            *_strides((dq, layout), (p_buf, "BTHD")), *sizes, **plan.const,
-            **plan.common(geom),
+        chunk.bwd_a_kernel[plan.block_grid](
+            q, k, v, s, gc, do, dq, p_buf, da_buf, r_buf, hk_buf, hv_buf, cu_arg, *io_strides,
+            *_strides((dq, layout), (p_buf, "BTHD")), *sizes, **plan.per_chunk(geom, "bwd_a"),
         )
     del hk_buf, hv_buf
     dhk_buf = _utils.empty((plan.slots, hq, geom.key_dim, geom.slots), torch.float32, device)
     dhv_buf = _utils.empty((plan.slots, hq, geom.slots, geom.value_dim), torch.float32, device)
     dhk0, dhv0 = (_utils.empty(shape, torch.float32, device) for shape in _state_shapes(geom, hq))
     if geom.n_seq * hq:
-        chunk.dstates_kernel[(geom.n_seq * hq,)](
-            q, g, do, p_buf, da_buf, *(dht or (dq, dq)), dhk_buf, dhv_buf, dhk0, dhv0, cu_arg,
-            *_strides((q, layout), (g, layout), (do, layout), (p_buf, "BTHD")), *sizes,
-            S=plan.S, HAS_DHT=dht is not None, **plan.common(geom),
+        chunk.dstates_kernel[(plan.slot_blocks, geom.n_seq * hq)](
+            q, gc, do, p_buf, da_buf, *(dht or (dq, dq)), dhk_buf, dhv_buf, dhk0, dhv0, cu_arg,
+            *_strides((q, layout), (gc, "BTHD"), (do, layout), (p_buf, "BTHD")), *sizes,
+            HAS_DHT=dht is not None, **plan.sequential(geom, "dstates"),
         )
     grads = [
         _utils.empty(_with_heads(x, hq, layout), torch.float32, device) if group > 1
@@ -288,9 +300,9 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
           else _utils.empty(g.shape, g.dtype, device))
     if parallel:
         chunk.bwd_b_kernel[plan.grid](
-            q, k, v, s, g, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, *grads, dg_local, totals,
+            q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, *grads, dg_local, totals,
             cu_arg, *io_strides, *_strides((p_buf, "BTHD"), *((x, layout) for x in grads)),
-            *sizes, **plan.const, **plan.common(geom),
+            *sizes, **plan.per_chunk(geom, "bwd_b"),
         )
         chunk.dg_kernel[plan.grid](
             dg_local, totals, f_buf if dht else dq, dg, cu_arg,

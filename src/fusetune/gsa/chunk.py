@@ -1,35 +1,45 @@
-"""Chunked GSA kernels. ``states_kernel`` walks each sequence in chunks of S = 64 tokens and
-stores every chunk's starting states [K, M] and [M, V] (fp32; recomputed in backward, never kept
-from the forward); then one program per (chunk, query head) walks its chunk in sub-chunks of
-BT = 16 tokens with both states in registers. Inside a sub-chunk everything is
-matmuls plus one exact decay tensor W[i, j, m] = exp(G_i - G_j) (i >= j, else 0; G the
-chunk-local cumsum of the gates, fp32): every factor is <= 1, so no gate however negative can
-overflow, unlike factorising exp(G_i) * exp(-G_j). Across chunks the carried states move with
-exp(G_last - G_j) <= 1 too.
+"""Chunked GSA kernels.
 
-Per chunk (scale folded into the fp32 products; e = exp(G), rows i, j in the chunk):
-    a  = e * (q @ Hk) + sum_j (q_i . k_j) s_j W[i, j]          p = softmax(a)
-    o  = (p e) @ Hv + A @ v,   A[i, j] = sum_m p_i s_j W[i, j]
-    Hk = Hk * exp(G_last) + k^T (s exp(G_last - G));  Hv likewise with s^T v.
-Sweep A adds dp = e * (do @ Hv^T) + sum_j (do_i . v_j) s_j W[i, j], da = softmax'(dp) and
-dq = (da e) @ Hk^T + B @ k, B[i, j] = sum_m da_i s_j W[i, j]. Sweep B runs the chunks in reverse
-with the state gradients dHk, dHv (see ``api`` for the math).
+``states_kernel`` walks each sequence in chunks of S = 64 tokens and stores every chunk's
+starting states [K, M] and [M, V] (fp32; recomputed in backward, never kept from the forward),
+one program per block of BMS slots (the slot columns of both states evolve independently), and
+the chunk-local gate cumsum G (fp32), which every later kernel reads, so all of them see
+bit-identical decays. The per-chunk kernels then carry no state: they cut the chunk into blocks
+of BT = 16 tokens and work in [BT, D] tiles (few registers, many programs):
+  - the chunk-start states enter every row as e_i = exp(G_i) times a matmul;
+  - a pair of blocks (rows i of a later block, columns j of an earlier one) factorises the decay
+    through the cumsum r at the boundary between them: exp(G_i - G_j) = exp(G_i - r) exp(r - G_j),
+    both factors <= 1, so the pair is two matmuls and no gate however negative overflows;
+  - a diagonal block forms the exact decay W[i, j, m] = exp(G_i - G_j) (i >= j, else 0) one column
+    j at a time, a [BT, M] tile.
+
+Per row block (scale folded in; A = q k^T; rows i, columns j; H0 the chunk-start states):
+    a  = e * (q @ Hk0) + sum_j A[i, j] s_j W[i, j]              p = softmax(a)
+    o  = (p e) @ Hv0 + sum_j A2[i, j] v_j,   A2[i, j] = sum_m p_i s_j W[i, j]
+Sweep A adds dp = e * (do @ Hv0^T) + sum_j (do_i . v_j) s_j W[i, j], da = softmax'(dp) and
+dq = (da e) @ Hk0^T + B @ k, B[i, j] = sum_m da_i s_j W[i, j]. Sweep B walks each chunk's blocks in
+reverse as columns j, against the chunk-end state gradients and the later blocks i (see ``api``
+for the math).
 """
 
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import load_gate, mm, mm_inputs, sequence_bounds
+from fusetune.gsa._common import load_gate, mm, mm_inputs, mm_wide, sequence_bounds
 
-SUB_CHUNK = 16  # BT: tokens per step inside a program; W is BT x BT x M fp32 in registers
-# S: tokens per program of the parallel kernels; one pair of fp32 states is kept per S tokens
-# (recomputed in backward). Smaller under the interpreter so tests cross chunk boundaries.
+SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
+# S: tokens per chunk; one pair of fp32 states is kept per S tokens (recomputed in backward).
+# Smaller under the interpreter so tests cross chunk boundaries.
 STATE_CHUNK, STATE_CHUNK_INTERPRETED = 64, 32
+SLOT_BLOCK = 16  # BMS: slots per program of the sequential state kernels (more programs)
+NUM_WARPS = {"states": 4, "dstates": 4, "fwd": 8, "bwd_a": 8, "bwd_b": 8}
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
-    return dict(BT=SUB_CHUNK, S=STATE_CHUNK_INTERPRETED if interpreting else STATE_CHUNK,
-                num_warps=8)
+    return dict(BT=SUB_CHUNK, S=STATE_CHUNK_INTERPRETED if interpreting else STATE_CHUNK)
+
+
+# ----------------------------------------------------------------------------- tiles
 
 
 @triton.jit
@@ -41,6 +51,19 @@ def _tile(ptr, rows, stride_t, row_mask, cols, col_mask):
 
 
 @triton.jit
+def _inputs(ptr, rows, stride_t, row_mask, cols, col_mask):
+    """A [rows, cols] tile in the input dtype (q, k, v, do only feed matmuls), 0 outside."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _row(ptr, t, stride_t, cols, col_mask):
+    """Row ``t`` as fp32, 0 outside the mask."""
+    return tl.load(ptr + t * stride_t + cols, mask=col_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _store(ptr, rows, stride_t, row_mask, cols, col_mask, value):
     mask = row_mask[:, None] & col_mask[None, :]
     tl.store(ptr + rows[:, None] * stride_t + cols[None, :], value.to(ptr.dtype.element_ty),
@@ -48,41 +71,34 @@ def _store(ptr, rows, stride_t, row_mask, cols, col_mask, value):
 
 
 @triton.jit
-def _gate_cumsum(g, rows, stride_t, row_mask, cm, mm_):
-    """Chunk-local cumsum G [rows, BM] (rows past the end repeat the last value) and G_last."""
-    gate = load_gate(g + rows[:, None] * stride_t + cm[None, :], row_mask[:, None] & mm_[None, :])
-    return tl.cumsum(gate, axis=0), tl.sum(gate, axis=0)
+def _decay(exponent, row_mask):
+    """exp of a [BT, BM] exponent (<= 0 by construction) on valid rows, 0 on the others."""
+    return tl.exp(tl.where(row_mask[:, None], exponent, float("-inf")))
 
 
 @triton.jit
-def _chunk_gates(g, rows, stride_t, row_mask, cm, mm_, BT: tl.constexpr):
-    """G and G_last (see _gate_cumsum) and W[i, j, m] = exp(G_i - G_j) for i >= j, else 0."""
-    cum, last = _gate_cumsum(g, rows, stride_t, row_mask, cm, mm_)
-    ti = tl.arange(0, BT)
-    causal = (ti[:, None] >= ti[None, :])[:, :, None]
-    w = tl.exp(tl.where(causal, cum[:, None, :] - cum[None, :, :], float("-inf")))
-    return cum, last, w
+def _column(x, ti, j):
+    """Column ``j`` of a [BT, BT] tile."""
+    return tl.sum(tl.where(ti[None, :] == j, x, 0.0), axis=1)
 
 
 @triton.jit
-def _scores(q_c, k_c, s_c, w, hk, e, scale, mm_, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """Slot scores a [BT, BM] (-inf on padded slots), their softmax p, and q k^T * scale."""
-    qk = mm_inputs(q_c, tl.trans(k_c), DOT, UPCAST) * scale
-    a = e * mm(q_c, hk, DOT, UPCAST) * scale + tl.sum(qk[:, :, None] * s_c[None, :, :] * w, axis=1)
+def _put_column(x, ti, j, column):
+    return tl.where(ti[None, :] == j, column[:, None], x)
+
+
+@triton.jit
+def _decay_column(gcum, g_j, ti, j, n):
+    """Column ``j`` of the diagonal block's decay, W[:, j] = exp(G_i - G_j) [BT, BM] for valid
+    rows i >= j, else 0: every factor <= 1. -inf before exp, so no row forms exp(+big)."""
+    return tl.exp(tl.where(((ti >= j) & (ti < n))[:, None], gcum - g_j[None, :], float("-inf")))
+
+
+@triton.jit
+def _softmax(a, mm_):
     a = tl.where(mm_[None, :], a, float("-inf"))
     p = tl.exp(a - tl.max(a, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    return a, p, qk
-
-
-@triton.jit
-def _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """Both states carried over one chunk."""
-    sd = s_c * tl.exp(last[None, :] - cum)
-    decay = tl.exp(last)
-    hk = hk * decay[None, :] + mm(tl.trans(k_c), sd, DOT, UPCAST)
-    hv = hv * decay[:, None] + mm(tl.trans(sd), v_c, DOT, UPCAST)
-    return hk, hv
+    return a, p / tl.sum(p, axis=1)[:, None]
 
 
 @triton.jit
@@ -107,283 +123,399 @@ def _chunk_span(cu, i_n, c, T, S: tl.constexpr, NT, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _load_hk(buf, state, ck, cm, mk, mm_, K, M):
+    return tl.load(buf + state * K * M + ck[:, None] * M + cm[None, :],
+                   mask=mk[:, None] & mm_[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_hv(buf, state, cv, cm, mv, mm_, V, M):
+    return tl.load(buf + state * M * V + cm[:, None] * V + cv[None, :],
+                   mask=mm_[:, None] & mv[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_states(hk_buf, hv_buf, state, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M):
+    tl.store(hk_buf + state * K * M + ck[:, None] * M + cm[None, :], hk,
+             mask=mk[:, None] & mm_[None, :])
+    tl.store(hv_buf + state * M * V + cm[:, None] * V + cv[None, :], hv,
+             mask=mm_[:, None] & mv[None, :])
+
+
+@triton.jit
+def _ref_row(gc, t, sc_t, cm, mm_, lo, hi):
+    """The cumsum at token ``t`` (a block boundary), or 0 (the chunk start) unless lo <= t < hi."""
+    return tl.load(gc + t * sc_t + cm, mask=mm_ & (cm * 0 + t >= lo) & (cm * 0 + t < hi),
+                   other=0.0)
+
+
+# ----------------------------------------------------------------------------- state passing
+
+
+@triton.jit
 def states_kernel(
-    k, v, s, g, hk0, hv0, hk_buf, hv_buf, hkT, hvT, dhkT, dhvT, f_buf, cu,
-    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
-    T, H, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, S: tl.constexpr,
+    k, v, s, g, gc, hk0, hv0, hk_buf, hv_buf, hkT, hvT, dhkT, dhvT, f_buf, cu,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h, sc_b, sc_t, sc_h,
+    T, H, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr, S: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
     DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Per (sequence, key/value head): walk the chunks of S tokens carrying both states and
-    store each chunk's starting states (fp32); the final states; with HAS_DHT the final-state
-    term of dg, sum_k dHk_T * Hk_T + sum_v dHv_T * Hv_T, per slot."""
-    pid = tl.program_id(0).to(tl.int64)
+    """Per (block of BMS slots, sequence x key/value head): walk the chunks of S tokens carrying
+    the slots' columns of Hk and rows of Hv; store each chunk's starting states (fp32), the
+    chunk-local gate cumsum, the final states, and with HAS_DHT the final-state term of dg,
+    sum_k dHk_T * Hk_T + sum_v dHv_T * Hv_T, per slot."""
+    i_m, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // H, pid % H
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), i_m * BMS + tl.arange(0, BMS)
     mk, mv, mm_ = ck < K, cv < V, cm < M
     k += i_b * sk_b + i_h * sk_h
     v += i_b * sv_b + i_h * sv_h
     s += i_b * ss_b + i_h * ss_h
     g += i_b * sg_b + i_h * sg_h
-    pk = ck[:, None] * M + cm[None, :]
-    pv = cm[:, None] * V + cv[None, :]
-    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
-    hk = tl.zeros([BK, BM], dtype=tl.float32)
-    hv = tl.zeros([BM, BV], dtype=tl.float32)
+    gc += i_b * sc_b + i_h * sc_h
+    hk = tl.zeros([BK, BMS], dtype=tl.float32)
+    hv = tl.zeros([BMS, BV], dtype=tl.float32)
     if HAS_H0:
-        hk += tl.load(hk0 + pid * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-        hv += tl.load(hv0 + pid * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+        hk += _load_hk(hk0, pid, ck, cm, mk, mm_, K, M)
+        hv += _load_hv(hv0, pid, cv, cm, mv, mm_, V, M)
     for c in range(0, tl.cdiv(eos - bos, S)):
-        slot = _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h
-        tl.store(hk_buf + slot * K * M + pk, hk, mask=mask_k)
-        tl.store(hv_buf + slot * M * V + pv, hv, mask=mask_v)
+        _store_states(hk_buf, hv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, hk, hv,
+                      ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
-        k_c = _tile(k, rows, sk_t, mt, ck, mk)
-        v_c = _tile(v, rows, sv_t, mt, cv, mv)
-        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
-        cum, last = _gate_cumsum(g, rows, sg_t, mt, cm, mm_)
-        hk, hv = _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT, UPCAST)
+        gate = load_gate(g + rows[:, None] * sg_t + cm[None, :], mt[:, None] & mm_[None, :])
+        gcum = tl.cumsum(gate, axis=0)
+        _store(gc, rows, sc_t, mt, cm, mm_, gcum)
+        last = tl.sum(gate, axis=0)
+        sd = _tile(s, rows, ss_t, mt, cm, mm_) * tl.exp(last[None, :] - gcum)
+        decay = tl.exp(last)
+        hk = hk * decay[None, :] + mm(tl.trans(_tile(k, rows, sk_t, mt, ck, mk)), sd, DOT, UPCAST)
+        hv = hv * decay[:, None] + mm(tl.trans(sd), _tile(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
     if STORE_HT:
-        tl.store(hkT + pid * K * M + pk, hk, mask=mask_k)
-        tl.store(hvT + pid * M * V + pv, hv, mask=mask_v)
+        _store_states(hkT, hvT, pid, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
     if HAS_DHT:
-        dhk = tl.load(dhkT + pid * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-        dhv = tl.load(dhvT + pid * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
-        final = tl.sum(dhk * hk, axis=0) + tl.sum(dhv * hv, axis=1)
+        final = (tl.sum(_load_hk(dhkT, pid, ck, cm, mk, mm_, K, M) * hk, axis=0)
+                 + tl.sum(_load_hv(dhvT, pid, cv, cm, mv, mm_, V, M) * hv, axis=1))
         tl.store(f_buf + pid * M + cm, final, mask=mm_)
 
 
 @triton.jit
+def dstates_kernel(
+    q, gc, do, p_buf, da_buf, dhkT, dhvT, dhk_buf, dhv_buf, dhk0, dhv0, cu,
+    sq_b, sq_t, sq_h, sc_b, sc_t, sc_h, sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, scale, T, HQ,
+    GROUP: tl.constexpr, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr,
+    S: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Per (block of BMS slots, sequence x query head), chunks in reverse: store the gradients
+    w.r.t. each chunk's end states that come from later tokens (and the final-state gradient),
+    carried as dH = dH * exp(G_last) + q^T (da e) scale (resp. (p e)^T do); the rest is dh0."""
+    i_m, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n, i_hq = pid // HQ, pid % HQ
+    i_h = i_hq // GROUP
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), i_m * BMS + tl.arange(0, BMS)
+    mk, mv, mm_ = ck < K, cv < V, cm < M
+    q += i_b * sq_b + i_hq * sq_h
+    gc += i_b * sc_b + i_h * sc_h
+    do += i_b * sdo_b + i_hq * sdo_h
+    w_off = i_b * sw_b + i_hq * sw_h
+    p_buf += w_off
+    da_buf += w_off
+    dhk = tl.zeros([BK, BMS], dtype=tl.float32)
+    dhv = tl.zeros([BMS, BV], dtype=tl.float32)
+    if HAS_DHT:
+        if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
+            state = i_n * (HQ // GROUP) + i_h
+            dhk += _load_hk(dhkT, state, ck, cm, mk, mm_, K, M)
+            dhv += _load_hv(dhvT, state, cv, cm, mv, mm_, V, M)
+    n_chunks = tl.cdiv(eos - bos, S)
+    for i in range(0, n_chunks):
+        c = n_chunks - 1 - i
+        _store_states(dhk_buf, dhv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, dhk, dhv,
+                      ck, cv, cm, mk, mv, mm_, K, V, M)
+        rows = bos + c * S + tl.arange(0, S).to(tl.int64)
+        mt = rows < eos
+        e = _decay(_tile(gc, rows, sc_t, mt, cm, mm_), mt)
+        decay = tl.exp(_row(gc, tl.minimum(bos + c * S + S, eos) - 1, sc_t, cm, mm_))
+        da = _tile(da_buf, rows, sw_t, mt, cm, mm_) * e
+        dhk = dhk * decay[None, :] + mm(tl.trans(_tile(q, rows, sq_t, mt, ck, mk)), da, DOT,
+                                        UPCAST) * scale
+        pe = _tile(p_buf, rows, sw_t, mt, cm, mm_) * e
+        dhv = dhv * decay[:, None] + mm(tl.trans(pe), _tile(do, rows, sdo_t, mt, cv, mv), DOT,
+                                        UPCAST)
+    _store_states(dhk0, dhv0, pid, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
+
+
+# ----------------------------------------------------------------------------- per block
+
+
+@triton.jit
+def _decayed_slots(s, gc, rows, ss_t, sc_t, row_mask, cm, mm_, ref):
+    """s_j exp(ref - G_j) [BT, BM] for a block of earlier tokens j (ref: a later cumsum)."""
+    gcum = _tile(gc, rows, sc_t, row_mask, cm, mm_)
+    return _tile(s, rows, ss_t, row_mask, cm, mm_) * _decay(ref[None, :] - gcum, row_mask)
+
+
+@triton.jit
+def _row_block(i_cb, cu, i_n, T, S: tl.constexpr, BT: tl.constexpr, NT, VARLEN: tl.constexpr):
+    """(batch index, chunk start, chunk end, slot, block index in the chunk, first token) of
+    program ``i_cb`` of the per-block kernels."""
+    c, bi = i_cb // (S // BT), i_cb % (S // BT)
+    i_b, eos, c0, c_end, slot = _chunk_span(cu, i_n, c, T, S, NT, VARLEN)
+    return i_b, c0, c_end, slot, bi, c0 + bi * BT
+
+
+@triton.jit
 def fwd_kernel(
-    q, k, v, s, g, o, hk_buf, hv_buf, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
+    q, k, v, s, gc, o, hk_buf, hv_buf, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sc_b, sc_t, sc_h,
     so_b, so_t, so_h, scale, T, HQ, GROUP: tl.constexpr, K, V, M, NT,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, S: tl.constexpr,
     VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One program per (chunk of S tokens, sequence x query head), from the stored states."""
-    c, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """One program per (block of BT tokens, sequence x query head): o of its rows, from the
+    chunk-start states and the chunk's earlier blocks."""
+    i_cb, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
-    i_b, eos, c0, c_end, slot = _chunk_span(cu, i_n, c, T, S, NT, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    i_b, c0, c_end, slot, bi, start = _row_block(i_cb, cu, i_n, T, S, BT, NT, VARLEN)
+    if start >= c_end:
+        return
+    ck, cv, cm, ti = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM), tl.arange(0, BT)
     mk, mv, mm_ = ck < K, cv < V, cm < M
     q += i_b * sq_b + i_hq * sq_h
     k += i_b * sk_b + i_h * sk_h
     v += i_b * sv_b + i_h * sv_h
     s += i_b * ss_b + i_h * ss_h
-    g += i_b * sg_b + i_h * sg_h
+    gc += i_b * sc_b + i_h * sc_h
     o += i_b * so_b + i_hq * so_h
     state = slot * (HQ // GROUP) + i_h
-    hk = tl.load(hk_buf + state * K * M + ck[:, None] * M + cm[None, :],
-                 mask=mk[:, None] & mm_[None, :], other=0.0)
-    hv = tl.load(hv_buf + state * M * V + cm[:, None] * V + cv[None, :],
-                 mask=mm_[:, None] & mv[None, :], other=0.0)
-    for start in range(c0, c_end, BT):
-        rows = start + tl.arange(0, BT).to(tl.int64)
-        mt = rows < c_end
-        q_c = _tile(q, rows, sq_t, mt, ck, mk)
-        k_c = _tile(k, rows, sk_t, mt, ck, mk)
-        v_c = _tile(v, rows, sv_t, mt, cv, mv)
-        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
-        cum, last, w = _chunk_gates(g, rows, sg_t, mt, cm, mm_, BT)
-        e = tl.exp(cum)
-        a, p, qk = _scores(q_c, k_c, s_c, w, hk, e, scale, mm_, DOT, UPCAST)
-        attn = tl.sum(p[:, None, :] * s_c[None, :, :] * w, axis=2)
-        o_c = mm(p * e, hv, DOT, UPCAST) + mm(attn, v_c, DOT, UPCAST)
-        _store(o, rows, so_t, mt, cv, mv, o_c)
-        hk, hv = _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT, UPCAST)
+    rows = start + ti.to(tl.int64)
+    mt = rows < c_end
+    n = tl.minimum(c_end - start, BT)
+    q_i = _inputs(q, rows, sq_t, mt, ck, mk)
+    g_i = _tile(gc, rows, sc_t, mt, cm, mm_)
+    ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)
+    e = _decay(g_i, mt)
+    u = _decay(g_i - ref[None, :], mt)
+    # Slot scores: chunk-start state, earlier blocks (through ref), the diagonal block.
+    a = e * mm_wide(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
+    earlier = tl.zeros([BT, BM], dtype=tl.float32)
+    for bj in range(0, bi):
+        rows_j = c0 + bj * BT + ti.to(tl.int64)
+        mj = rows_j < c_end
+        sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
+        qk = mm_inputs(q_i, tl.trans(_inputs(k, rows_j, sk_t, mj, ck, mk)), DOT, UPCAST)
+        earlier += mm_wide(qk, sd, DOT, UPCAST)
+    a += u * earlier
+    qk = mm_inputs(q_i, tl.trans(_inputs(k, rows, sk_t, mt, ck, mk)), DOT, UPCAST)
+    for j in range(0, n):
+        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        a += _column(qk, ti, j)[:, None] * _row(s, start + j, ss_t, cm, mm_)[None, :] * w
+    a, p = _softmax(a * scale, mm_)
+    # Output: the same three parts with p in place of q.
+    o_c = mm_wide(p * e, _load_hv(hv_buf, state, cv, cm, mv, mm_, V, M), DOT, UPCAST)
+    pu = p * u
+    for bj in range(0, bi):
+        rows_j = c0 + bj * BT + ti.to(tl.int64)
+        mj = rows_j < c_end
+        sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
+        attn = mm(pu, tl.trans(sd), DOT, UPCAST)
+        o_c += mm_wide(attn, _inputs(v, rows_j, sv_t, mj, cv, mv), DOT, UPCAST)
+    attn = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, n):
+        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        s_j = _row(s, start + j, ss_t, cm, mm_)
+        attn = _put_column(attn, ti, j, tl.sum(p * s_j[None, :] * w, axis=1))
+    o_c += mm_wide(attn, _inputs(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
+    _store(o, rows, so_t, mt, cv, mv, o_c)
 
 
 @triton.jit
 def bwd_a_kernel(
-    q, k, v, s, g, do, dq, p_buf, da_buf, r_buf, hk_buf, hv_buf, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
+    q, k, v, s, gc, do, dq, p_buf, da_buf, r_buf, hk_buf, hv_buf, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sc_b, sc_t, sc_h,
     sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, sw_b, sw_t, sw_h, scale, T, HQ,
     GROUP: tl.constexpr, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
     BT: tl.constexpr, S: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Sweep A per (chunk, sequence x query head): dq, and p, da, r = a*da + p*dp (fp32)."""
-    c, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """Sweep A per (block, sequence x query head): dq, and p, da, r = a*da + p*dp (fp32)."""
+    i_cb, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
-    i_b, eos, c0, c_end, slot = _chunk_span(cu, i_n, c, T, S, NT, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    i_b, c0, c_end, slot, bi, start = _row_block(i_cb, cu, i_n, T, S, BT, NT, VARLEN)
+    if start >= c_end:
+        return
+    ck, cv, cm, ti = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM), tl.arange(0, BT)
     mk, mv, mm_ = ck < K, cv < V, cm < M
     q += i_b * sq_b + i_hq * sq_h
     k += i_b * sk_b + i_h * sk_h
     v += i_b * sv_b + i_h * sv_h
     s += i_b * ss_b + i_h * ss_h
-    g += i_b * sg_b + i_h * sg_h
+    gc += i_b * sc_b + i_h * sc_h
     do += i_b * sdo_b + i_hq * sdo_h
     dq += i_b * sdq_b + i_hq * sdq_h
     w_off = i_b * sw_b + i_hq * sw_h
-    p_buf += w_off
-    da_buf += w_off
-    r_buf += w_off
     state = slot * (HQ // GROUP) + i_h
-    hk = tl.load(hk_buf + state * K * M + ck[:, None] * M + cm[None, :],
-                 mask=mk[:, None] & mm_[None, :], other=0.0)
-    hv = tl.load(hv_buf + state * M * V + cm[:, None] * V + cv[None, :],
-                 mask=mm_[:, None] & mv[None, :], other=0.0)
-    for start in range(c0, c_end, BT):
-        rows = start + tl.arange(0, BT).to(tl.int64)
-        mt = rows < c_end
-        q_c = _tile(q, rows, sq_t, mt, ck, mk)
-        k_c = _tile(k, rows, sk_t, mt, ck, mk)
-        v_c = _tile(v, rows, sv_t, mt, cv, mv)
-        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
-        do_c = _tile(do, rows, sdo_t, mt, cv, mv)
-        cum, last, w = _chunk_gates(g, rows, sg_t, mt, cm, mm_, BT)
-        e = tl.exp(cum)
-        a, p, qk = _scores(q_c, k_c, s_c, w, hk, e, scale, mm_, DOT, UPCAST)
-        dov = mm_inputs(do_c, tl.trans(v_c), DOT, UPCAST)
-        dp = e * mm(do_c, tl.trans(hv), DOT, UPCAST) + tl.sum(
-            dov[:, :, None] * s_c[None, :, :] * w, axis=1)
-        da = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-        b = tl.sum(da[:, None, :] * s_c[None, :, :] * w, axis=2)
-        dq_c = (mm(da * e, tl.trans(hk), DOT, UPCAST) + mm(b, k_c, DOT, UPCAST)) * scale
-        r = tl.where(mm_[None, :], a * da + p * dp, 0.0)
-        _store(dq, rows, sdq_t, mt, ck, mk, dq_c)
-        _store(p_buf, rows, sw_t, mt, cm, mm_, p)
-        _store(da_buf, rows, sw_t, mt, cm, mm_, da)
-        _store(r_buf, rows, sw_t, mt, cm, mm_, r)
-        hk, hv = _advance(hk, hv, k_c, v_c, s_c, cum, last, DOT, UPCAST)
-
-
-@triton.jit
-def dstates_kernel(
-    q, g, do, p_buf, da_buf, dhkT, dhvT, dhk_buf, dhv_buf, dhk0, dhv0, cu,
-    sq_b, sq_t, sq_h, sg_b, sg_t, sg_h, sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, scale, T, HQ,
-    GROUP: tl.constexpr, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
-    S: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Per (sequence, query head), chunks in reverse: store the gradients w.r.t. each chunk's
-    end states that come from later tokens (and the final-state gradient), carried as
-    dH = dH * exp(G_last) + q^T (da e) scale (resp. (p e)^T do); the rest is dh0."""
-    pid = tl.program_id(0).to(tl.int64)
-    i_n, i_hq = pid // HQ, pid % HQ
-    i_h = i_hq // GROUP
-    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
-    mk, mv, mm_ = ck < K, cv < V, cm < M
-    q += i_b * sq_b + i_hq * sq_h
-    g += i_b * sg_b + i_h * sg_h
-    do += i_b * sdo_b + i_hq * sdo_h
-    w_off = i_b * sw_b + i_hq * sw_h
-    p_buf += w_off
-    da_buf += w_off
-    pk = ck[:, None] * M + cm[None, :]
-    pv = cm[:, None] * V + cv[None, :]
-    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
-    dhk = tl.zeros([BK, BM], dtype=tl.float32)
-    dhv = tl.zeros([BM, BV], dtype=tl.float32)
-    if HAS_DHT:
-        if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
-            state = i_n * (HQ // GROUP) + i_h
-            dhk += tl.load(dhkT + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-            dhv += tl.load(dhvT + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
-    n_chunks = tl.cdiv(eos - bos, S)
-    for i in range(0, n_chunks):
-        c = n_chunks - 1 - i
-        slot = _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq
-        tl.store(dhk_buf + slot * K * M + pk, dhk, mask=mask_k)
-        tl.store(dhv_buf + slot * M * V + pv, dhv, mask=mask_v)
-        rows = bos + c * S + tl.arange(0, S).to(tl.int64)
-        mt = rows < eos
-        q_c = _tile(q, rows, sq_t, mt, ck, mk)
-        do_c = _tile(do, rows, sdo_t, mt, cv, mv)
-        p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
-        da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
-        cum, last = _gate_cumsum(g, rows, sg_t, mt, cm, mm_)
-        e = tl.exp(cum)
-        decay = tl.exp(last)
-        dhk = dhk * decay[None, :] + mm(tl.trans(q_c), da * e, DOT, UPCAST) * scale
-        dhv = dhv * decay[:, None] + mm(tl.trans(p * e), do_c, DOT, UPCAST)
-    tl.store(dhk0 + pid * K * M + pk, dhk, mask=mask_k)
-    tl.store(dhv0 + pid * M * V + pv, dhv, mask=mask_v)
+    rows = start + ti.to(tl.int64)
+    mt = rows < c_end
+    n = tl.minimum(c_end - start, BT)
+    q_i = _inputs(q, rows, sq_t, mt, ck, mk)
+    do_i = _inputs(do, rows, sdo_t, mt, cv, mv)
+    g_i = _tile(gc, rows, sc_t, mt, cm, mm_)
+    ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)
+    e = _decay(g_i, mt)
+    u = _decay(g_i - ref[None, :], mt)
+    a = e * mm_wide(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
+    dp = e * mm_wide(do_i, tl.trans(_load_hv(hv_buf, state, cv, cm, mv, mm_, V, M)), DOT, UPCAST)
+    earlier_a = tl.zeros([BT, BM], dtype=tl.float32)
+    earlier_dp = tl.zeros([BT, BM], dtype=tl.float32)
+    for bj in range(0, bi):
+        rows_j = c0 + bj * BT + ti.to(tl.int64)
+        mj = rows_j < c_end
+        sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
+        qk = mm_inputs(q_i, tl.trans(_inputs(k, rows_j, sk_t, mj, ck, mk)), DOT, UPCAST)
+        dov = mm_inputs(do_i, tl.trans(_inputs(v, rows_j, sv_t, mj, cv, mv)), DOT, UPCAST)
+        earlier_a += mm_wide(qk, sd, DOT, UPCAST)
+        earlier_dp += mm_wide(dov, sd, DOT, UPCAST)
+    a += u * earlier_a
+    dp += u * earlier_dp
+    k_i = _inputs(k, rows, sk_t, mt, ck, mk)
+    qk = mm_inputs(q_i, tl.trans(k_i), DOT, UPCAST)
+    dov = mm_inputs(do_i, tl.trans(_inputs(v, rows, sv_t, mt, cv, mv)), DOT, UPCAST)
+    for j in range(0, n):
+        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        sw = _row(s, start + j, ss_t, cm, mm_)[None, :] * w
+        a += _column(qk, ti, j)[:, None] * sw
+        dp += _column(dov, ti, j)[:, None] * sw
+    a, p = _softmax(a * scale, mm_)
+    da = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+    dq_c = mm_wide(da * e, tl.trans(_load_hk(hk_buf, state, ck, cm, mk, mm_, K, M)), DOT, UPCAST)
+    du = da * u
+    for bj in range(0, bi):
+        rows_j = c0 + bj * BT + ti.to(tl.int64)
+        mj = rows_j < c_end
+        sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
+        b = mm(du, tl.trans(sd), DOT, UPCAST)
+        dq_c += mm_wide(b, _inputs(k, rows_j, sk_t, mj, ck, mk), DOT, UPCAST)
+    b = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, n):
+        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        s_j = _row(s, start + j, ss_t, cm, mm_)
+        b = _put_column(b, ti, j, tl.sum(da * s_j[None, :] * w, axis=1))
+    dq_c += mm_wide(b, k_i, DOT, UPCAST)
+    _store(dq, rows, sdq_t, mt, ck, mk, dq_c * scale)
+    _store(p_buf + w_off, rows, sw_t, mt, cm, mm_, p)
+    _store(da_buf + w_off, rows, sw_t, mt, cm, mm_, da)
+    _store(r_buf + w_off, rows, sw_t, mt, cm, mm_, tl.where(mm_[None, :], a, 0.0) * da + p * dp)
 
 
 @triton.jit
 def bwd_b_kernel(
-    q, k, v, s, g, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, dk, dv, ds, dgl_buf, tot_buf, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
+    q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, dk, dv, ds, dgl_buf, tot_buf, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sc_b, sc_t, sc_h,
     sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
     sds_b, sds_t, sds_h, scale, T, HQ, GROUP: tl.constexpr, K, V, M, NT,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, S: tl.constexpr,
     VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Sweep B per (chunk, sequence x query head), sub-chunks in reverse from the chunk's end
-    state gradients: dk, dv, ds, and dg within the chunk (fp32; dg_kernel adds what later
+    """Sweep B per (chunk, sequence x query head), its blocks j in reverse: dk, dv, ds from the
+    chunk-end state gradients, the later blocks i of the chunk (through the cumsum r at the end
+    of block j) and the diagonal block; dg within the chunk (fp32; dg_kernel adds what later
     chunks contribute, from each chunk's total stored here)."""
     c, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
     i_b, eos, c0, c_end, slot = _chunk_span(cu, i_n, c, T, S, NT, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM)
+    ck, cv, cm, ti = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM), tl.arange(0, BT)
     mk, mv, mm_ = ck < K, cv < V, cm < M
     q += i_b * sq_b + i_hq * sq_h
     k += i_b * sk_b + i_h * sk_h
     v += i_b * sv_b + i_h * sv_h
     s += i_b * ss_b + i_h * ss_h
-    g += i_b * sg_b + i_h * sg_h
+    gc += i_b * sc_b + i_h * sc_h
     do += i_b * sdo_b + i_hq * sdo_h
     w_off = i_b * sw_b + i_hq * sw_h
     p_buf += w_off
     da_buf += w_off
-    r_buf += w_off
-    dgl_buf += w_off
     # Gradient outputs have one head per query head (summed over a group on the host).
     dk += i_b * sdk_b + i_hq * sdk_h
     dv += i_b * sdv_b + i_hq * sdv_h
     ds += i_b * sds_b + i_hq * sds_h
     state = slot * HQ + i_hq
-    dhk = tl.load(dhk_buf + state * K * M + ck[:, None] * M + cm[None, :],
-                  mask=mk[:, None] & mm_[None, :], other=0.0)
-    dhv = tl.load(dhv_buf + state * M * V + cm[:, None] * V + cv[None, :],
-                  mask=mm_[:, None] & mv[None, :], other=0.0)
+    g_last = _ref_row(gc, c_end - 1, sc_t, cm, mm_, c0, c_end)
     dg_run = tl.zeros([BM], dtype=tl.float32)
-    n_sub = tl.cdiv(c_end - c0, BT)
-    for i in range(0, n_sub):
-        rows = c0 + (n_sub - 1 - i) * BT + tl.arange(0, BT).to(tl.int64)
+    n_blocks = tl.cdiv(c_end - c0, BT)
+    for i in range(0, n_blocks):
+        bj = n_blocks - 1 - i
+        start = c0 + bj * BT
+        rows = start + ti.to(tl.int64)
         mt = rows < c_end
-        q_c = _tile(q, rows, sq_t, mt, ck, mk)
-        k_c = _tile(k, rows, sk_t, mt, ck, mk)
-        v_c = _tile(v, rows, sv_t, mt, cv, mv)
-        s_c = _tile(s, rows, ss_t, mt, cm, mm_)
-        do_c = _tile(do, rows, sdo_t, mt, cv, mv)
+        n = tl.minimum(c_end - start, BT)
+        g_j = _tile(gc, rows, sc_t, mt, cm, mm_)
+        s_j = _tile(s, rows, ss_t, mt, cm, mm_)
+        k_j = _inputs(k, rows, sk_t, mt, ck, mk)
+        v_j = _inputs(v, rows, sv_t, mt, cv, mv)
+        # Tokens after the chunk, through the chunk-end state gradients.
+        to_end = _decay(g_last[None, :] - g_j, mt)
+        dhk = _load_hk(dhk_buf, state, ck, cm, mk, mm_, K, M)
+        dhv = _load_hv(dhv_buf, state, cv, cm, mv, mm_, V, M)
+        dk_c = mm_wide(s_j * to_end, tl.trans(dhk), DOT, UPCAST)
+        dv_c = mm_wide(s_j * to_end, dhv, DOT, UPCAST)
+        ds_c = to_end * (mm_wide(k_j, dhk, DOT, UPCAST) + mm_wide(v_j, tl.trans(dhv), DOT, UPCAST))
+        # Later blocks i of the chunk through the cumsum at the block's last token; rows j x
+        # columns i products.
+        ref = _row(gc, tl.minimum(start + BT, c_end) - 1, sc_t, cm, mm_)
+        w_j = _decay(ref[None, :] - g_j, mt)
+        sw = s_j * w_j
+        dk_later = tl.zeros([BT, BK], dtype=tl.float32)
+        dv_later = tl.zeros([BT, BV], dtype=tl.float32)
+        ds_later = tl.zeros([BT, BM], dtype=tl.float32)
+        for bi in range(bj + 1, n_blocks):
+            rows_i = c0 + bi * BT + ti.to(tl.int64)
+            mi = rows_i < c_end
+            u = _decay(_tile(gc, rows_i, sc_t, mi, cm, mm_) - ref[None, :], mi)
+            dau = _tile(da_buf, rows_i, sw_t, mi, cm, mm_) * u
+            pu = _tile(p_buf, rows_i, sw_t, mi, cm, mm_) * u
+            q_i = _inputs(q, rows_i, sq_t, mi, ck, mk)
+            do_i = _inputs(do, rows_i, sdo_t, mi, cv, mv)
+            dk_later += mm_wide(mm(sw, tl.trans(dau), DOT, UPCAST), q_i, DOT, UPCAST)
+            dv_later += mm_wide(mm(sw, tl.trans(pu), DOT, UPCAST), do_i, DOT, UPCAST)
+            kq = mm_inputs(k_j, tl.trans(q_i), DOT, UPCAST) * scale
+            vdo = mm_inputs(v_j, tl.trans(do_i), DOT, UPCAST)
+            ds_later += mm_wide(kq, dau, DOT, UPCAST) + mm_wide(vdo, pu, DOT, UPCAST)
+        dk_c += dk_later * scale
+        dv_c += dv_later
+        ds_c += w_j * ds_later
+        # The diagonal block.
+        q_j = _inputs(q, rows, sq_t, mt, ck, mk)
+        do_j = _inputs(do, rows, sdo_t, mt, cv, mv)
         p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
         da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
-        r = _tile(r_buf, rows, sw_t, mt, cm, mm_)
-        cum, last, w = _chunk_gates(g, rows, sg_t, mt, cm, mm_, BT)
-        e = tl.exp(cum)
-        to_end = tl.exp(last[None, :] - cum)
-        sd = s_c * to_end
-        # Row i' (later token) x column i (earlier token) matrices of the sub-chunk.
-        qk = mm_inputs(q_c, tl.trans(k_c), DOT, UPCAST) * scale
-        dov = mm_inputs(do_c, tl.trans(v_c), DOT, UPCAST)
-        b = tl.sum(da[:, None, :] * s_c[None, :, :] * w, axis=2)
-        attn = tl.sum(p[:, None, :] * s_c[None, :, :] * w, axis=2)
-        dk_c = mm(sd, tl.trans(dhk), DOT, UPCAST) + mm(tl.trans(b), q_c, DOT, UPCAST) * scale
-        dv_c = mm(sd, dhv, DOT, UPCAST) + mm(tl.trans(attn), do_c, DOT, UPCAST)
-        ds_c = to_end * (mm(k_c, dhk, DOT, UPCAST) + mm(v_c, tl.trans(dhv), DOT, UPCAST))
-        ds_c += tl.sum(w * (qk[:, :, None] * da[:, None, :] + dov[:, :, None] * p[:, None, :]),
-                       axis=0)
-        x = r - s_c * ds_c  # dL/dG per token; dg is its reverse running sum
+        qk = mm_inputs(q_j, tl.trans(k_j), DOT, UPCAST) * scale
+        dov = mm_inputs(do_j, tl.trans(v_j), DOT, UPCAST)
+        b = tl.zeros([BT, BT], dtype=tl.float32)
+        attn = tl.zeros([BT, BT], dtype=tl.float32)
+        for j in range(0, n):
+            w = _decay_column(g_j, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+            sw = _row(s, start + j, ss_t, cm, mm_)[None, :] * w
+            b = _put_column(b, ti, j, tl.sum(da * sw, axis=1))
+            attn = _put_column(attn, ti, j, tl.sum(p * sw, axis=1))
+            x = w * (_column(qk, ti, j)[:, None] * da + _column(dov, ti, j)[:, None] * p)
+            ds_c += tl.where(ti[:, None] == j, tl.sum(x, axis=0)[None, :], 0.0)
+        dk_c += mm_wide(tl.trans(b), q_j, DOT, UPCAST) * scale
+        dv_c += mm_wide(tl.trans(attn), do_j, DOT, UPCAST)
+        x = _tile(r_buf + w_off, rows, sw_t, mt, cm, mm_) - s_j * ds_c  # dL/dG per token
         total = tl.sum(x, axis=0)
         dg_c = dg_run[None, :] + total[None, :] - tl.cumsum(x, axis=0) + x
         dg_run += total
         _store(dk, rows, sdk_t, mt, ck, mk, dk_c)
         _store(dv, rows, sdv_t, mt, cv, mv, dv_c)
         _store(ds, rows, sds_t, mt, cm, mm_, ds_c)
-        _store(dgl_buf, rows, sw_t, mt, cm, mm_, dg_c)
-        decay = tl.exp(last)
-        dhk = dhk * decay[None, :] + mm(tl.trans(q_c), da * e, DOT, UPCAST) * scale
-        dhv = dhv * decay[:, None] + mm(tl.trans(p * e), do_c, DOT, UPCAST)
+        _store(dgl_buf + w_off, rows, sw_t, mt, cm, mm_, dg_c)
     tl.store(tot_buf + state * M + cm, dg_run, mask=mm_ & (cm * 0 + c0 < eos))
 
 
