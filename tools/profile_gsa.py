@@ -17,8 +17,7 @@ from fusetune.gsa import api
 
 
 def main() -> None:
-    b, t, h, d, m = (int(x) for x in sys.argv[1:6]) if len(sys.argv) > 5 else (4, 4096, 16, 64,
-                                                                                 64)
+    b, t, h, d, m = (int(x) for x in sys.argv[1:6]) if len(sys.argv) > 5 else (4, 4096, 16, 64, 64)
     dev, dt = torch.device("cuda"), torch.bfloat16
     q, k, v = (torch.randn(b, t, h, d, device=dev, dtype=dt) for _ in range(3))
     g = F.logsigmoid(torch.randn(b, t, h, m, device=dev)) / 8
@@ -34,16 +33,19 @@ def main() -> None:
 
     fwd = triton.testing.do_bench(forward, warmup=25, rep=100)
     bwd = triton.testing.do_bench(backward, warmup=25, rep=100)
-    print(f"B{b} T{t} H{h} D{d} M{m} bf16: fwd {fwd:.3f} ms  bwd {bwd:.3f} ms  "
-          f"total {fwd + bwd:.3f} ms")
+    print(
+        f"B{b} T{t} H{h} D{d} M{m} bf16: fwd {fwd:.3f} ms  bwd {bwd:.3f} ms  "
+        f"total {fwd + bwd:.3f} ms"
+    )
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             forward()
             backward()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
-                                    max_name_column_width=40))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40)
+    )
 
 
 if __name__ == "__main__":

@@ -21,19 +21,29 @@ import triton.testing
 
 from fusetune.gsa import api, chunk, naive
 
-WARPS_8 = dict(states=4, dstates=4, fwd=8, bwd_a=8, bwd_b=8)
-WARPS_4 = dict(states=4, dstates=4, fwd=4, bwd_a=4, bwd_b=4)
-STATES_8 = dict(states=8, dstates=8, fwd=8, bwd_a=8, bwd_b=8)
-NARROW = [("mm_wide(", "mm(")]  # every product as written, 16-row M (mma.sync)
-VARIANTS = [  # (name, substitutions, warps, slot block of the state kernels)
-    ("wide w8", [], WARPS_8, 16),
-    ("narrow w8", NARROW, WARPS_8, 16),
-    ("wide w4", [], WARPS_4, 16),
-    ("narrow w4 s8 bms32", NARROW, {**WARPS_4, "states": 8, "dstates": 8}, 32),
+ALL_4 = dict(states=4, dstates=4, fwd=4, bwd_a=4, bwd_b=4)
+ALL_8 = dict(states=8, dstates=8, fwd=8, bwd_a=8, bwd_b=8)
+VARIANTS = [  # (name, substitutions, warps or None for the library's, slot block or None)
+    ("library", [], None, None),
+    ("all 4 warps", [], ALL_4, None),
+    ("all 8 warps", [], ALL_8, None),
+    ("slot block 32", [], None, 32),
+    # Diagonal loops unrolled (more independent work in flight, more registers).
+    (
+        "static diagonal",
+        [
+            ("for j in range(0, n):", "for j in tl.static_range(BT):"),
+            ("start + j,", "tl.minimum(start + j, c_end - 1),"),
+        ],
+        None,
+        None,
+    ),
 ]
 
 
-def load_variant(name: str, substitutions: list[tuple[str, str]], warps: dict, bms: int):
+def load_variant(
+    name: str, substitutions: list[tuple[str, str]], warps: dict | None, bms: int | None
+):
     source = open(chunk.__file__).read()
     for old, new in substitutions:
         assert old in source, old
@@ -44,8 +54,8 @@ def load_variant(name: str, substitutions: list[tuple[str, str]], warps: dict, b
     spec = importlib.util.spec_from_file_location(f"gsa_variant_{abs(hash(name))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.NUM_WARPS = dict(warps)
-    module.SLOT_BLOCK = bms
+    module.NUM_WARPS = dict(warps or chunk.NUM_WARPS)
+    module.SLOT_BLOCK = bms or chunk.SLOT_BLOCK
     return module
 
 
@@ -61,14 +71,15 @@ def check(dev, t=300, d=64) -> float:
     leaves = [x.requires_grad_() for x in inputs(1, t, 2, d, d, dev)]
     do = torch.randn(1, t, 2, d, device=dev)
     o = api._forward_impl(*leaves, None, None, None, 0.125, "BTHD", False, True)[0]
-    grads = api._backward_impl(do.to(o.dtype), None, None, *leaves, None, None, None, 0.125,
-                               "BTHD", False, True)[:5]
+    grads = api._backward_impl(
+        do.to(o.dtype), None, None, *leaves, None, None, None, 0.125, "BTHD", False, True
+    )[:5]
     ref = [x.detach().double().requires_grad_() for x in leaves]
     o_ref = naive(*ref, scale=0.125)
     o_ref.backward(do.double())
     worst = 0.0
     for got, want in zip([o, *grads], [o_ref, *(x.grad for x in ref)], strict=True):
-        err = (got.double() - want).norm() / want.norm()
+        err = (got.double() - want.detach()).norm() / want.detach().norm()
         worst = max(worst, float(err))
     return worst
 
@@ -91,21 +102,31 @@ def main() -> None:
             api.chunk = load_variant(name, subs, warps, bms)
             err = check(dev)
             fwd = triton.testing.do_bench(
-                lambda: api._forward_impl(q, k, v, s, g, *args, False, True), warmup=25, rep=100)
+                lambda: api._forward_impl(q, k, v, s, g, *args, False, True), warmup=25, rep=100
+            )
             bwd = triton.testing.do_bench(
                 lambda: api._backward_impl(do, None, None, q, k, v, s, g, *args, False, True),
-                warmup=25, rep=100)
+                warmup=25,
+                rep=100,
+            )
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     api._forward_impl(q, k, v, s, g, *args, False, True)
                     api._backward_impl(do, None, None, q, k, v, s, g, *args, False, True)
                 torch.cuda.synchronize()
-            kernels = {e.key: e.device_time_total / 5e3 for e in prof.key_averages()
-                       if e.device_time_total > 0}
-            per = " ".join(f"{key.replace('_kernel', '')}={ms:.3f}" for key, ms in
-                           sorted(kernels.items(), key=lambda kv: -kv[1])[:7])
-            rows.append(f"{name:22s} err {err:.1e}  fwd {fwd:.3f}  bwd {bwd:.3f}  total "
-                        f"{fwd + bwd:.3f} ms | {per}")
+            kernels = {
+                e.key: e.device_time_total / 5e3
+                for e in prof.key_averages()
+                if e.device_time_total > 0
+            }
+            per = " ".join(
+                f"{key.replace('_kernel', '')}={ms:.3f}"
+                for key, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:7]
+            )
+            rows.append(
+                f"{name:22s} err {err:.1e}  fwd {fwd:.3f}  bwd {bwd:.3f}  total "
+                f"{fwd + bwd:.3f} ms | {per}"
+            )
         except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
             rows.append(f"{name:22s} {type(exc).__name__}: {str(exc)[:300]}")
         print(rows[-1], f"({time.time() - began:.0f} s)", flush=True)

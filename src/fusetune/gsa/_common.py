@@ -50,15 +50,6 @@ def mm(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def mm_wide(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """``mm(a, b)`` for a few rows ``a`` [16, K] and a wide ``b`` [K, 64+], computed as
-    (b^T a^T)^T: the wide side becomes the matmul's M, which Hopper runs as wgmma with b staged
-    in shared memory; a 16-row M runs as mma.sync with both operands replicated in registers
-    (twice the registers; the GSA kernels spilled)."""
-    return tl.trans(mm(tl.trans(b), tl.trans(a), DOT, UPCAST))
-
-
-@triton.jit
 def sequence_bounds(cu_ptr, i_n, T, VARLEN: tl.constexpr):
     """(batch index, first token, end token) of sequence ``i_n``; offsets clamped into [0, T]
     so that a bad cu_seqlens on the GPU (not value-checked there: that needs a host sync) never

@@ -25,14 +25,16 @@ for the math).
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import load_gate, mm, mm_inputs, mm_wide, sequence_bounds
+from fusetune.gsa._common import load_gate, mm, mm_inputs, sequence_bounds
 
 SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
 # S: tokens per chunk; one pair of fp32 states is kept per S tokens (recomputed in backward).
 # Smaller under the interpreter so tests cross chunk boundaries.
 STATE_CHUNK, STATE_CHUNK_INTERPRETED = 64, 32
 SLOT_BLOCK = 16  # BMS: slots per program of the sequential state kernels (more programs)
-NUM_WARPS = {"states": 4, "dstates": 4, "fwd": 8, "bwd_a": 8, "bwd_b": 8}
+# Warps per kernel: the fewest with no register spill in ptxas's sm_90 report (Triton 3.6);
+# bwd_b spills at either count, least at 8. Not yet timed (tools/tune_gsa.py times variants).
+NUM_WARPS = {"states": 8, "dstates": 8, "fwd": 4, "bwd_a": 8, "bwd_b": 8}
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
@@ -301,14 +303,14 @@ def fwd_kernel(
     e = _decay(g_i, mt)
     u = _decay(g_i - ref[None, :], mt)
     # Slot scores: chunk-start state, earlier blocks (through ref), the diagonal block.
-    a = e * mm_wide(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
+    a = e * mm(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
     earlier = tl.zeros([BT, BM], dtype=tl.float32)
     for bj in range(0, bi):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
         qk = mm_inputs(q_i, tl.trans(_inputs(k, rows_j, sk_t, mj, ck, mk)), DOT, UPCAST)
-        earlier += mm_wide(qk, sd, DOT, UPCAST)
+        earlier += mm(qk, sd, DOT, UPCAST)
     a += u * earlier
     qk = mm_inputs(q_i, tl.trans(_inputs(k, rows, sk_t, mt, ck, mk)), DOT, UPCAST)
     for j in range(0, n):
@@ -316,20 +318,20 @@ def fwd_kernel(
         a += _column(qk, ti, j)[:, None] * _row(s, start + j, ss_t, cm, mm_)[None, :] * w
     a, p = _softmax(a * scale, mm_)
     # Output: the same three parts with p in place of q.
-    o_c = mm_wide(p * e, _load_hv(hv_buf, state, cv, cm, mv, mm_, V, M), DOT, UPCAST)
+    o_c = mm(p * e, _load_hv(hv_buf, state, cv, cm, mv, mm_, V, M), DOT, UPCAST)
     pu = p * u
     for bj in range(0, bi):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
         attn = mm(pu, tl.trans(sd), DOT, UPCAST)
-        o_c += mm_wide(attn, _inputs(v, rows_j, sv_t, mj, cv, mv), DOT, UPCAST)
+        o_c += mm(attn, _inputs(v, rows_j, sv_t, mj, cv, mv), DOT, UPCAST)
     attn = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(0, n):
         w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
         s_j = _row(s, start + j, ss_t, cm, mm_)
         attn = _put_column(attn, ti, j, tl.sum(p * s_j[None, :] * w, axis=1))
-    o_c += mm_wide(attn, _inputs(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
+    o_c += mm(attn, _inputs(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
     _store(o, rows, so_t, mt, cv, mv, o_c)
 
 
@@ -369,8 +371,8 @@ def bwd_a_kernel(
     ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)
     e = _decay(g_i, mt)
     u = _decay(g_i - ref[None, :], mt)
-    a = e * mm_wide(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
-    dp = e * mm_wide(do_i, tl.trans(_load_hv(hv_buf, state, cv, cm, mv, mm_, V, M)), DOT, UPCAST)
+    a = e * mm(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
+    dp = e * mm(do_i, tl.trans(_load_hv(hv_buf, state, cv, cm, mv, mm_, V, M)), DOT, UPCAST)
     earlier_a = tl.zeros([BT, BM], dtype=tl.float32)
     earlier_dp = tl.zeros([BT, BM], dtype=tl.float32)
     for bj in range(0, bi):
@@ -379,8 +381,8 @@ def bwd_a_kernel(
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
         qk = mm_inputs(q_i, tl.trans(_inputs(k, rows_j, sk_t, mj, ck, mk)), DOT, UPCAST)
         dov = mm_inputs(do_i, tl.trans(_inputs(v, rows_j, sv_t, mj, cv, mv)), DOT, UPCAST)
-        earlier_a += mm_wide(qk, sd, DOT, UPCAST)
-        earlier_dp += mm_wide(dov, sd, DOT, UPCAST)
+        earlier_a += mm(qk, sd, DOT, UPCAST)
+        earlier_dp += mm(dov, sd, DOT, UPCAST)
     a += u * earlier_a
     dp += u * earlier_dp
     k_i = _inputs(k, rows, sk_t, mt, ck, mk)
@@ -393,20 +395,20 @@ def bwd_a_kernel(
         dp += _column(dov, ti, j)[:, None] * sw
     a, p = _softmax(a * scale, mm_)
     da = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-    dq_c = mm_wide(da * e, tl.trans(_load_hk(hk_buf, state, ck, cm, mk, mm_, K, M)), DOT, UPCAST)
+    dq_c = mm(da * e, tl.trans(_load_hk(hk_buf, state, ck, cm, mk, mm_, K, M)), DOT, UPCAST)
     du = da * u
     for bj in range(0, bi):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
         b = mm(du, tl.trans(sd), DOT, UPCAST)
-        dq_c += mm_wide(b, _inputs(k, rows_j, sk_t, mj, ck, mk), DOT, UPCAST)
+        dq_c += mm(b, _inputs(k, rows_j, sk_t, mj, ck, mk), DOT, UPCAST)
     b = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(0, n):
         w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
         s_j = _row(s, start + j, ss_t, cm, mm_)
         b = _put_column(b, ti, j, tl.sum(da * s_j[None, :] * w, axis=1))
-    dq_c += mm_wide(b, k_i, DOT, UPCAST)
+    dq_c += mm(b, k_i, DOT, UPCAST)
     _store(dq, rows, sdq_t, mt, ck, mk, dq_c * scale)
     _store(p_buf + w_off, rows, sw_t, mt, cm, mm_, p)
     _store(da_buf + w_off, rows, sw_t, mt, cm, mm_, da)
@@ -463,9 +465,9 @@ def bwd_b_kernel(
         to_end = _decay(g_last[None, :] - g_j, mt)
         dhk = _load_hk(dhk_buf, state, ck, cm, mk, mm_, K, M)
         dhv = _load_hv(dhv_buf, state, cv, cm, mv, mm_, V, M)
-        dk_c = mm_wide(s_j * to_end, tl.trans(dhk), DOT, UPCAST)
-        dv_c = mm_wide(s_j * to_end, dhv, DOT, UPCAST)
-        ds_c = to_end * (mm_wide(k_j, dhk, DOT, UPCAST) + mm_wide(v_j, tl.trans(dhv), DOT, UPCAST))
+        dk_c = mm(s_j * to_end, tl.trans(dhk), DOT, UPCAST)
+        dv_c = mm(s_j * to_end, dhv, DOT, UPCAST)
+        ds_c = to_end * (mm(k_j, dhk, DOT, UPCAST) + mm(v_j, tl.trans(dhv), DOT, UPCAST))
         # Later blocks i of the chunk through the cumsum at the block's last token; rows j x
         # columns i products.
         ref = _row(gc, tl.minimum(start + BT, c_end) - 1, sc_t, cm, mm_)
@@ -482,11 +484,11 @@ def bwd_b_kernel(
             pu = _tile(p_buf, rows_i, sw_t, mi, cm, mm_) * u
             q_i = _inputs(q, rows_i, sq_t, mi, ck, mk)
             do_i = _inputs(do, rows_i, sdo_t, mi, cv, mv)
-            dk_later += mm_wide(mm(sw, tl.trans(dau), DOT, UPCAST), q_i, DOT, UPCAST)
-            dv_later += mm_wide(mm(sw, tl.trans(pu), DOT, UPCAST), do_i, DOT, UPCAST)
+            dk_later += mm(mm(sw, tl.trans(dau), DOT, UPCAST), q_i, DOT, UPCAST)
+            dv_later += mm(mm(sw, tl.trans(pu), DOT, UPCAST), do_i, DOT, UPCAST)
             kq = mm_inputs(k_j, tl.trans(q_i), DOT, UPCAST) * scale
             vdo = mm_inputs(v_j, tl.trans(do_i), DOT, UPCAST)
-            ds_later += mm_wide(kq, dau, DOT, UPCAST) + mm_wide(vdo, pu, DOT, UPCAST)
+            ds_later += mm(kq, dau, DOT, UPCAST) + mm(vdo, pu, DOT, UPCAST)
         dk_c += dk_later * scale
         dv_c += dv_later
         ds_c += w_j * ds_later
@@ -506,8 +508,8 @@ def bwd_b_kernel(
             attn = _put_column(attn, ti, j, tl.sum(p * sw, axis=1))
             x = w * (_column(qk, ti, j)[:, None] * da + _column(dov, ti, j)[:, None] * p)
             ds_c += tl.where(ti[:, None] == j, tl.sum(x, axis=0)[None, :], 0.0)
-        dk_c += mm_wide(tl.trans(b), q_j, DOT, UPCAST) * scale
-        dv_c += mm_wide(tl.trans(attn), do_j, DOT, UPCAST)
+        dk_c += mm(tl.trans(b), q_j, DOT, UPCAST) * scale
+        dv_c += mm(tl.trans(attn), do_j, DOT, UPCAST)
         x = _tile(r_buf + w_off, rows, sw_t, mt, cm, mm_) - s_j * ds_c  # dL/dG per token
         total = tl.sum(x, axis=0)
         dg_c = dg_run[None, :] + total[None, :] - tl.cumsum(x, axis=0) + x
