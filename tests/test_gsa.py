@@ -145,9 +145,14 @@ def test_naive_matches_direct_loop():
 def test_matrix(algo, dtype, autocast, mode, layout):
     """Outputs, final states and every gradient (q, k, v, s, g, initial states), with grouped
     queries and sizes that pad every block (T = 21 is not a multiple of the chunk; the token
-    loop of the recurrent kernel is slow under the interpreter, so it gets T = 8)."""
+    loop of the recurrent kernel is slow under the interpreter, so it gets T = 8; the chunk
+    kernels' decay-column loops are too, so they get one sequence: the layer tests run chunk
+    mode on two)."""
     assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
-    inputs = make_inputs(batch=2, seq_len=21 if algo == "chunk" else 8, q_heads=2, heads=1)
+    chunked = algo == "chunk"
+    inputs = make_inputs(
+        batch=1 if chunked else 2, seq_len=21 if chunked else 8, q_heads=2, heads=1
+    )
     run_check(inputs, dtype, algo, mode=mode, autocast=autocast, layout=layout)
 
 

@@ -69,6 +69,29 @@ def load_gate(ptr, mask):
     return tl.maximum(tl.load(ptr, mask=mask, other=0.0).to(tl.float32), -88.0)
 
 
+@triton.jit
+def load_hk(buf, state, ck, cm, mk, mm_, K, M):
+    """Key state ``state`` of a [N, K, M] buffer (rows ck, columns cm) as fp32, 0 outside."""
+    return tl.load(buf + state * K * M + ck[:, None] * M + cm[None, :],
+                   mask=mk[:, None] & mm_[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_hv(buf, state, cv, cm, mv, mm_, V, M):
+    """Value state ``state`` of a [N, M, V] buffer (rows cm, columns cv) as fp32, 0 outside."""
+    return tl.load(buf + state * M * V + cm[:, None] * V + cv[None, :],
+                   mask=mm_[:, None] & mv[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_states(hk_buf, hv_buf, state, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M):
+    """Both states (or state gradients) into [N, K, M] and [N, M, V] buffers."""
+    tl.store(hk_buf + state * K * M + ck[:, None] * M + cm[None, :], hk,
+             mask=mk[:, None] & mm_[None, :])
+    tl.store(hv_buf + state * M * V + cm[:, None] * V + cv[None, :], hv,
+             mask=mm_[:, None] & mv[None, :])
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Sizes and launch constants of one call. Kernels index every [B, T, H, D]-like tensor as

@@ -25,7 +25,15 @@ for the math).
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import load_gate, mm, mm_inputs, sequence_bounds
+from fusetune.gsa._common import (
+    load_gate,
+    load_hk,
+    load_hv,
+    mm,
+    mm_inputs,
+    sequence_bounds,
+    store_states,
+)
 
 SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
 # S: tokens per chunk; one pair of fp32 states is kept per S tokens (recomputed in backward).
@@ -125,26 +133,6 @@ def _chunk_span(cu, i_n, c, T, S: tl.constexpr, NT, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _load_hk(buf, state, ck, cm, mk, mm_, K, M):
-    return tl.load(buf + state * K * M + ck[:, None] * M + cm[None, :],
-                   mask=mk[:, None] & mm_[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_hv(buf, state, cv, cm, mv, mm_, V, M):
-    return tl.load(buf + state * M * V + cm[:, None] * V + cv[None, :],
-                   mask=mm_[:, None] & mv[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_states(hk_buf, hv_buf, state, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M):
-    tl.store(hk_buf + state * K * M + ck[:, None] * M + cm[None, :], hk,
-             mask=mk[:, None] & mm_[None, :])
-    tl.store(hv_buf + state * M * V + cm[:, None] * V + cv[None, :], hv,
-             mask=mm_[:, None] & mv[None, :])
-
-
-@triton.jit
 def _ref_row(gc, t, sc_t, cm, mm_, lo, hi):
     """The cumsum at token ``t`` (a block boundary), or 0 (the chunk start) unless lo <= t < hi."""
     return tl.load(gc + t * sc_t + cm, mask=mm_ & (cm * 0 + t >= lo) & (cm * 0 + t < hi),
@@ -179,10 +167,10 @@ def states_kernel(
     hk = tl.zeros([BK, BMS], dtype=tl.float32)
     hv = tl.zeros([BMS, BV], dtype=tl.float32)
     if HAS_H0:
-        hk += _load_hk(hk0, pid, ck, cm, mk, mm_, K, M)
-        hv += _load_hv(hv0, pid, cv, cm, mv, mm_, V, M)
+        hk += load_hk(hk0, pid, ck, cm, mk, mm_, K, M)
+        hv += load_hv(hv0, pid, cv, cm, mv, mm_, V, M)
     for c in range(0, tl.cdiv(eos - bos, S)):
-        _store_states(hk_buf, hv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, hk, hv,
+        store_states(hk_buf, hv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, hk, hv,
                       ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
@@ -195,10 +183,10 @@ def states_kernel(
         hk = hk * decay[None, :] + mm(tl.trans(_tile(k, rows, sk_t, mt, ck, mk)), sd, DOT, UPCAST)
         hv = hv * decay[:, None] + mm(tl.trans(sd), _tile(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
     if STORE_HT:
-        _store_states(hkT, hvT, pid, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
+        store_states(hkT, hvT, pid, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
     if HAS_DHT:
-        final = (tl.sum(_load_hk(dhkT, pid, ck, cm, mk, mm_, K, M) * hk, axis=0)
-                 + tl.sum(_load_hv(dhvT, pid, cv, cm, mv, mm_, V, M) * hv, axis=1))
+        final = (tl.sum(load_hk(dhkT, pid, ck, cm, mk, mm_, K, M) * hk, axis=0)
+                 + tl.sum(load_hv(dhvT, pid, cv, cm, mv, mm_, V, M) * hv, axis=1))
         tl.store(f_buf + pid * M + cm, final, mask=mm_)
 
 
@@ -230,12 +218,12 @@ def dstates_kernel(
     if HAS_DHT:
         if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
             state = i_n * (HQ // GROUP) + i_h
-            dhk += _load_hk(dhkT, state, ck, cm, mk, mm_, K, M)
-            dhv += _load_hv(dhvT, state, cv, cm, mv, mm_, V, M)
+            dhk += load_hk(dhkT, state, ck, cm, mk, mm_, K, M)
+            dhv += load_hv(dhvT, state, cv, cm, mv, mm_, V, M)
     n_chunks = tl.cdiv(eos - bos, S)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        _store_states(dhk_buf, dhv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, dhk, dhv,
+        store_states(dhk_buf, dhv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, dhk, dhv,
                       ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
@@ -247,7 +235,7 @@ def dstates_kernel(
         pe = _tile(p_buf, rows, sw_t, mt, cm, mm_) * e
         dhv = dhv * decay[:, None] + mm(tl.trans(pe), _tile(do, rows, sdo_t, mt, cv, mv), DOT,
                                         UPCAST)
-    _store_states(dhk0, dhv0, pid, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
+    store_states(dhk0, dhv0, pid, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
 
 
 # ----------------------------------------------------------------------------- per block
@@ -303,7 +291,7 @@ def fwd_kernel(
     e = _decay(g_i, mt)
     u = _decay(g_i - ref[None, :], mt)
     # Slot scores: chunk-start state, earlier blocks (through ref), the diagonal block.
-    a = e * mm(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
+    a = e * mm(q_i, load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
     earlier = tl.zeros([BT, BM], dtype=tl.float32)
     for bj in range(0, bi):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
@@ -318,7 +306,7 @@ def fwd_kernel(
         a += _column(qk, ti, j)[:, None] * _row(s, start + j, ss_t, cm, mm_)[None, :] * w
     a, p = _softmax(a * scale, mm_)
     # Output: the same three parts with p in place of q.
-    o_c = mm(p * e, _load_hv(hv_buf, state, cv, cm, mv, mm_, V, M), DOT, UPCAST)
+    o_c = mm(p * e, load_hv(hv_buf, state, cv, cm, mv, mm_, V, M), DOT, UPCAST)
     pu = p * u
     for bj in range(0, bi):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
@@ -371,8 +359,8 @@ def bwd_a_kernel(
     ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)
     e = _decay(g_i, mt)
     u = _decay(g_i - ref[None, :], mt)
-    a = e * mm(q_i, _load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
-    dp = e * mm(do_i, tl.trans(_load_hv(hv_buf, state, cv, cm, mv, mm_, V, M)), DOT, UPCAST)
+    a = e * mm(q_i, load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
+    dp = e * mm(do_i, tl.trans(load_hv(hv_buf, state, cv, cm, mv, mm_, V, M)), DOT, UPCAST)
     earlier_a = tl.zeros([BT, BM], dtype=tl.float32)
     earlier_dp = tl.zeros([BT, BM], dtype=tl.float32)
     for bj in range(0, bi):
@@ -395,7 +383,7 @@ def bwd_a_kernel(
         dp += _column(dov, ti, j)[:, None] * sw
     a, p = _softmax(a * scale, mm_)
     da = p * (dp - tl.sum(p * dp, axis=1)[:, None])
-    dq_c = mm(da * e, tl.trans(_load_hk(hk_buf, state, ck, cm, mk, mm_, K, M)), DOT, UPCAST)
+    dq_c = mm(da * e, tl.trans(load_hk(hk_buf, state, ck, cm, mk, mm_, K, M)), DOT, UPCAST)
     du = da * u
     for bj in range(0, bi):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
@@ -463,8 +451,8 @@ def bwd_b_kernel(
         v_j = _inputs(v, rows, sv_t, mt, cv, mv)
         # Tokens after the chunk, through the chunk-end state gradients.
         to_end = _decay(g_last[None, :] - g_j, mt)
-        dhk = _load_hk(dhk_buf, state, ck, cm, mk, mm_, K, M)
-        dhv = _load_hv(dhv_buf, state, cv, cm, mv, mm_, V, M)
+        dhk = load_hk(dhk_buf, state, ck, cm, mk, mm_, K, M)
+        dhv = load_hv(dhv_buf, state, cv, cm, mv, mm_, V, M)
         dk_c = mm(s_j * to_end, tl.trans(dhk), DOT, UPCAST)
         dv_c = mm(s_j * to_end, dhv, DOT, UPCAST)
         ds_c = to_end * (mm(k_j, dhk, DOT, UPCAST) + mm(v_j, tl.trans(dhv), DOT, UPCAST))

@@ -11,7 +11,7 @@ All three kernels share one argument order with the chunked ones (``chunk.py``).
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import load_gate, sequence_bounds
+from fusetune.gsa._common import load_gate, load_hk, load_hv, sequence_bounds, store_states
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
@@ -39,15 +39,12 @@ def fwd_kernel(
     s += i_b * ss_b + i_h * ss_h
     g += i_b * sg_b + i_h * sg_h
     o += i_b * so_b + i_hq * so_h
-    pk = ck[:, None] * M + cm[None, :]
-    pv = cm[:, None] * V + cv[None, :]
-    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
     state = i_n * (HQ // GROUP) + i_h
     hk = tl.zeros([BK, BM], dtype=tl.float32)
     hv = tl.zeros([BM, BV], dtype=tl.float32)
     if HAS_H0:
-        hk += tl.load(hk0 + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-        hv += tl.load(hv0 + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+        hk += load_hk(hk0, state, ck, cm, mk, mm_, K, M)
+        hv += load_hv(hv0, state, cv, cm, mv, mm_, V, M)
     for t in range(bos, eos):
         q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
         k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
@@ -63,8 +60,7 @@ def fwd_kernel(
         tl.store(o + t * so_t + cv, o_t.to(o.dtype.element_ty), mask=mv)
     if STORE_HT:
         if i_hq % GROUP == 0:  # one query head of a group writes the shared state
-            tl.store(hkT + state * K * M + pk, hk, mask=mask_k)
-            tl.store(hvT + state * M * V + pv, hv, mask=mask_v)
+            store_states(hkT, hvT, state, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
 
 
 @triton.jit
@@ -93,15 +89,12 @@ def bwd_a_kernel(
     p_buf += w_off
     da_buf += w_off
     r_buf += w_off
-    pk = ck[:, None] * M + cm[None, :]
-    pv = cm[:, None] * V + cv[None, :]
-    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
     state = i_n * (HQ // GROUP) + i_h
     hk = tl.zeros([BK, BM], dtype=tl.float32)
     hv = tl.zeros([BM, BV], dtype=tl.float32)
     if HAS_H0:
-        hk += tl.load(hk0 + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-        hv += tl.load(hv0 + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+        hk += load_hk(hk0, state, ck, cm, mk, mm_, K, M)
+        hv += load_hv(hv0, state, cv, cm, mv, mm_, V, M)
     for t in range(bos, eos):
         q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
         k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
@@ -125,9 +118,8 @@ def bwd_a_kernel(
     final = tl.zeros([BM], dtype=tl.float32)
     if HAS_DHT:
         if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
-            dhk = tl.load(dhkT + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-            dhv = tl.load(dhvT + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
-            final = tl.sum(dhk * hk, axis=0) + tl.sum(dhv * hv, axis=1)
+            final = (tl.sum(load_hk(dhkT, state, ck, cm, mk, mm_, K, M) * hk, axis=0)
+                     + tl.sum(load_hv(dhvT, state, cv, cm, mv, mm_, V, M) * hv, axis=1))
     tl.store(f_buf + pid * M + cm, final, mask=mm_)
 
 
@@ -161,16 +153,13 @@ def bwd_b_kernel(
     dv += i_b * sdv_b + i_hq * sdv_h
     ds += i_b * sds_b + i_hq * sds_h
     dg += i_b * sdg_b + i_hq * sdg_h
-    pk = ck[:, None] * M + cm[None, :]
-    pv = cm[:, None] * V + cv[None, :]
-    mask_k, mask_v = mk[:, None] & mm_[None, :], mm_[:, None] & mv[None, :]
     state = i_n * (HQ // GROUP) + i_h
     dhk = tl.zeros([BK, BM], dtype=tl.float32)
     dhv = tl.zeros([BM, BV], dtype=tl.float32)
     if HAS_DHT:
         if i_hq % GROUP == 0:
-            dhk += tl.load(dhkT + state * K * M + pk, mask=mask_k, other=0.0).to(tl.float32)
-            dhv += tl.load(dhvT + state * M * V + pv, mask=mask_v, other=0.0).to(tl.float32)
+            dhk += load_hk(dhkT, state, ck, cm, mk, mm_, K, M)
+            dhv += load_hv(dhvT, state, cv, cm, mv, mm_, V, M)
     dg_run = tl.load(f_buf + pid * M + cm, mask=mm_, other=0.0)
     for i in range(0, eos - bos):
         t = eos - 1 - i
@@ -195,5 +184,4 @@ def bwd_b_kernel(
         tl.store(dg + t * sdg_t + cm, dg_run.to(dg.dtype.element_ty), mask=mm_)
         dhk = dhk * decay[None, :]
         dhv = dhv * decay[:, None]
-    tl.store(dhk0 + pid * K * M + pk, dhk, mask=mask_k)
-    tl.store(dhv0 + pid * M * V + pv, dhv, mask=mask_v)
+    store_states(dhk0, dhv0, pid, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
