@@ -166,11 +166,11 @@ def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
 
 
 # ---------------------------------------------------------------------------- chunk mode
-# Five launches: states (sequential over chunks of S tokens, per key/value head: cheap, no
-# intra-chunk work) stores every chunk's starting states; then one program per (chunk, query
-# head) does the intra-chunk work. Backward: states again (recomputed, not kept from the
-# forward), sweep A per chunk, state gradients in reverse per query head, sweep B per chunk,
-# and dg's cross-chunk sums.
+# Forward, two launches: states (sequential over chunks of S tokens, per block of slots and
+# key/value head) stores every chunk's starting states and the chunk-local gate cumsums; then
+# one program per (block of BT tokens, query head) computes o. Backward, five: states again
+# (recomputed, not kept from the forward), sweep A per block, state gradients in reverse per
+# block of slots and query head, sweep B per chunk, and dg's cross-chunk sums.
 
 
 class _ChunkPlan:
@@ -438,9 +438,10 @@ def gated_slot_attention(
             non-decreasing, T last; no state crosses a boundary. Values are checked for CPU
             tensors; on the GPU they are clamped into [0, T] instead (no host sync).
         layout: "BTHD" or "BHTD" (any strides with a unit last stride are read in place).
-        mode: "chunk" (for training: states every 64 tokens from a state-passing kernel, then
-            one program per chunk and head, intra-chunk by matmuls over 16-token sub-chunks,
-            states carried in fp32) or "recurrent" (token by token: decoding, short T).
+        mode: "chunk" (for training: fp32 states every 64 tokens from a state-passing kernel,
+            then one program per 16-token block and head: matmuls against the chunk-start states
+            and the chunk's earlier blocks, the exact decay inside the block) or "recurrent"
+            (token by token: decoding, short T).
             Both compute the same function to rounding.
 
     Returns:
