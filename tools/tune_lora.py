@@ -15,7 +15,7 @@ import triton.testing
 import fusetune
 from fusetune.ops import lora as L
 
-N, H, I, R = 8192, 4096, 14336, 16
+N, H, INTER, R = 8192, 4096, 14336, 16
 FORWARD = [(32, 128, 4), (32, 64, 4), (16, 128, 4), (32, 256, 4), (32, 128, 8), (64, 64, 4)]
 BACKWARD = [
     (32, 64, 4, 4), (32, 64, 4, 2), (32, 64, 4, 8), (16, 64, 4, 4), (32, 32, 4, 4),
@@ -40,9 +40,10 @@ def main() -> None:
     dev = torch.device("cuda")
     bf16 = torch.bfloat16
     x = torch.randn(N, H, device=dev, dtype=bf16, requires_grad=True)
-    w = [torch.randn(o, i, device=dev, dtype=bf16) / i**0.5 for o, i in ((I, H), (I, H), (H, I))]
-    a = [torch.randn(R, i, device=dev) / i**0.5 for i in (H, H, I)]
-    b = [torch.randn(o, R, device=dev) * 0.05 for o in (I, I, H)]
+    shapes = ((INTER, H), (INTER, H), (H, INTER))
+    w = [torch.randn(o, i, device=dev, dtype=bf16) / i**0.5 for o, i in shapes]
+    a = [torch.randn(R, i, device=dev) / i**0.5 for i in (H, H, INTER)]
+    b = [torch.randn(o, R, device=dev) * 0.05 for o in (INTER, INTER, H)]
     for t in a + b:
         t.requires_grad_()
     dy = torch.randn(N, H, device=dev, dtype=bf16)
@@ -53,30 +54,29 @@ def main() -> None:
         h = gate * 0  # stand-in, no activation
         y = h @ w[2].t()
         dh = dy @ w[2]
-        return dh @ w[0] + gate @ w[1], y
+        return dh @ w[0] + up @ w[1], y
 
-    print(f"base matmuls alone (6 x N x {H} x {I}): {bench(matmuls):.3f} ms")
+    print(f"base matmuls alone (6 x N x {H} x {INTER}): {bench(matmuls):.3f} ms")
 
     gate, up = xd @ w[0].t(), xd @ w[1].t()
     xa = torch.randn(N, 2 * R, device=dev, dtype=bf16)
     bg, bu, ad = b[0].to(bf16), b[1].to(bf16), a[2].to(bf16)
     gd = torch.randn(N, R, device=dev, dtype=bf16)
-    dh = torch.randn(N, I, device=dev, dtype=bf16)
+    dh = torch.randn(N, INTER, device=dev, dtype=bf16)
     out_g, out_u = torch.empty_like(gate), torch.empty_like(up)
     for bm, bn, warps in FORWARD:
         L.FORWARD_BM, L.FORWARD_BN, L.FORWARD_WARPS = bm, bn, warps
         ms = attempt(lambda: L._glu_forward(gate, up, xa[:, :R], xa[:, R:], bg, bu, 2.0, 2.0,
                                             "swiglu"))
         print(f"forward kernel BM={bm} BN={bn} warps={warps}: {ms:.3f} ms "
-              f"({3 * N * I * 2 / ms / 1e6:.0f} GB/s)")
+              f"({3 * N * INTER * 2 / ms / 1e6:.0f} GB/s)")
     for bm, bn, warps, per_sm in BACKWARD:
         L.BACKWARD_BM, L.BACKWARD_BN, L.BACKWARD_WARPS = bm, bn, warps
         L.BACKWARD_PROGRAMS_PER_SM = per_sm
         ms = attempt(lambda: L._glu_backward(dh, gd, ad, 2.0, gate, up, xa[:, :R], xa[:, R:],
                                              bg, bu, 2.0, 2.0, "swiglu", out_g, out_u))
         print(f"backward kernel BM={bm} BN={bn} warps={warps} per_sm={per_sm}: {ms:.3f} ms "
-              f"({5 * N * I * 2 / ms / 1e6:.0f} GB/s)")
-    del gate, up, dh, out_g, out_u, xa, gd
+              f"({5 * N * INTER * 2 / ms / 1e6:.0f} GB/s)")
     L.FORWARD_BM, L.FORWARD_BN, L.FORWARD_WARPS = 32, 128, 4
     L.BACKWARD_BM, L.BACKWARD_BN, L.BACKWARD_WARPS, L.BACKWARD_PROGRAMS_PER_SM = 32, 64, 4, 4
 
