@@ -156,6 +156,29 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
 
 
+def matmul_dtype(
+    inputs: torch.Tensor, weight: torch.Tensor, names: tuple[str, str] = ("hidden", "weight")
+) -> torch.dtype:
+    """The dtype a matmul of ``inputs`` with ``weight`` runs in, for every op with one.
+
+    Under torch.autocast: the autocast dtype, as F.linear. Outside it: the two dtypes when they
+    agree; with float32 and a 16-bit dtype mixed, the 16-bit one (as if autocast to it were on);
+    float16 with bfloat16 is a TypeError naming ``names``."""
+    device_type = inputs.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if inputs.dtype == weight.dtype:
+        return inputs.dtype
+    narrow = {inputs.dtype, weight.dtype} - {torch.float32, torch.float64}
+    if len(narrow) != 1:
+        first, second = names
+        raise TypeError(
+            f"{first} and {second} mix float16 and bfloat16; cast one of them or use "
+            f"torch.autocast (got {first} {inputs.dtype}, {second} {weight.dtype})"
+        )
+    return narrow.pop()
+
+
 # ----------------------------------------------------------------------------- argument checks
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusetune import _utils
 from fusetune._utils import (
     check_floating,
     check_integer,
@@ -74,23 +75,9 @@ def check_linear_cross_entropy_args(
 
 
 def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the logits matmul runs in.
-
-    Under torch.autocast: the autocast dtype, as F.linear. Outside it: the inputs' dtype when
-    they agree; with float32 and a 16-bit dtype mixed, the 16-bit one (as if autocast to it were
-    on); float16 with bfloat16 is an error."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    if hidden.dtype == weight.dtype:
-        return hidden.dtype
-    narrow = {hidden.dtype, weight.dtype} - {torch.float32, torch.float64}
-    if len(narrow) != 1:
-        raise TypeError(
-            "hidden and weight mix float16 and bfloat16; cast one of them or use torch.autocast "
-            f"(got hidden {hidden.dtype}, weight {weight.dtype})"
-        )
-    return narrow.pop()
+    """The dtype the logits matmul runs in: :func:`fusetune._utils.matmul_dtype`'s rule (the
+    autocast dtype under autocast; else 16-bit wins over fp32; fp16 with bf16 an error)."""
+    return _utils.matmul_dtype(hidden, weight, ("hidden", "weight"))
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

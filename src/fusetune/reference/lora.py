@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fusetune import _utils
 from fusetune._utils import (
     check_choice,
     check_floating,
@@ -148,19 +149,9 @@ def check_input(x: torch.Tensor, in_features: int) -> None:
 
 
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype every matmul of a LoRA projection of ``x`` runs in (see the module doc)."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    if x.dtype == weight.dtype:
-        return x.dtype
-    narrow = {x.dtype, weight.dtype} - {torch.float32, torch.float64}
-    if len(narrow) != 1:
-        raise TypeError(
-            "x and the base weight mix float16 and bfloat16; cast one of them or use "
-            f"torch.autocast (got x {x.dtype}, weight {weight.dtype})"
-        )
-    return narrow.pop()
+    """The dtype every matmul of a LoRA projection of ``x`` runs in (see the module doc): the
+    rule of :func:`fusetune._utils.matmul_dtype`."""
+    return _utils.matmul_dtype(x, weight, ("x", "the base weight"))
 
 
 def check_lora_linear_args(x: torch.Tensor, p: Projection) -> torch.dtype:
