@@ -46,9 +46,11 @@ def check_selective_log_softmax_args(
     weight: torch.Tensor,
     token_ids: torch.Tensor,
     bias: torch.Tensor | None,
+    hidden_ndims: tuple[int, ...] = (2, 3),
+    hidden_layout: str = "[N, H] or [B, T, H]",
     **logit_options: float | None,
 ) -> None:
-    check_lm_head(hidden, weight, (2, 3), "[N, H] or [B, T, H]")
+    check_lm_head(hidden, weight, hidden_ndims, hidden_layout)
     check_integer("token_ids", token_ids)
     _check_shape("token_ids", token_ids, hidden.shape[:-1], "hidden's leading dims")
     if bias is not None:
@@ -72,8 +74,15 @@ def check_grpo_args(
     logit_options: dict,
 ) -> None:
     """The checks :func:`fusetune.grpo_loss` and this reference share."""
-    check_lm_head(hidden, weight, (3,), "[B, T, H] (one row of completion tokens per sequence)")
-    check_selective_log_softmax_args(hidden, weight, token_ids, bias, **logit_options)
+    check_selective_log_softmax_args(
+        hidden,
+        weight,
+        token_ids,
+        bias,
+        hidden_ndims=(3,),
+        hidden_layout="[B, T, H] (one row of completion tokens per sequence)",
+        **logit_options,
+    )
     batch_and_time = hidden.shape[:-1]
     _check_shape("completion_mask", completion_mask, batch_and_time, "hidden's [B, T]")
     check_floating("advantages", advantages)
@@ -89,10 +98,10 @@ def check_grpo_args(
         old_logps=old_logps,
         ref_logps=ref_logps,
     )
-    check_loss_options(ref_logps=ref_logps, **loss_options)
+    check_grpo_options(ref_logps=ref_logps, **loss_options)
 
 
-def check_loss_options(
+def check_grpo_options(
     *,
     beta: float,
     epsilon_low: float,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusetune import _utils
 from fusetune._utils import (
     check_floating,
     check_integer,
     check_ndim,
     check_number,
     check_same_device,
+    matmul_dtype,  # the one mixed-precision matmul rule; re-exported for the ops
 )
 from fusetune.reference.cross_entropy import check_loss_options, cross_entropy
 
@@ -72,12 +72,6 @@ def check_linear_cross_entropy_args(
     chunk_size = loss_options.pop("chunk_size", None)
     check_number("chunk_size", chunk_size, low=1, optional=True)
     check_loss_options(**loss_options)
-
-
-def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the logits matmul runs in: :func:`fusetune._utils.matmul_dtype`'s rule (the
-    autocast dtype under autocast; else 16-bit wins over fp32; fp16 with bf16 an error)."""
-    return _utils.matmul_dtype(hidden, weight, ("hidden", "weight"))
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
