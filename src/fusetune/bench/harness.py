@@ -620,6 +620,7 @@ def run_bench(
     providers: list[str] | None = None,
     *,
     device: str | torch.device | None = None,
+    name_filter: str | None = None,
 ) -> list[dict[str, Any]]:
     """Benchmark the registered cases of ``ops`` (all if None) and return one row per provider.
 
@@ -639,6 +640,8 @@ def run_bench(
     rows: list[dict[str, Any]] = []
     for op in op_names:
         for case in registered_cases(op):
+            if name_filter and name_filter.lower() not in case.name.lower():
+                continue
             rows.extend(_run_case(case, dev, quick, providers, ceilings))
 
     print(format_table(rows))
@@ -666,6 +669,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for results.json and results.png (default: %(default)s)",
     )
     parser.add_argument(
+        "-k",
+        "--filter",
+        default=None,
+        metavar="TEXT",
+        help="run only the cases whose name contains TEXT (case-insensitive)",
+    )
+    parser.add_argument(
         "--providers",
         default=None,
         metavar="A,B,C",
@@ -685,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.providers:
         providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     try:
-        rows = run_bench(args.ops or None, args.quick, args.out, providers)
+        rows = run_bench(args.ops or None, args.quick, args.out, providers, name_filter=args.filter)
     except UnknownOpError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

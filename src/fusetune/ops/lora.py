@@ -3,8 +3,8 @@
     y = x W^T + s (x A^T) B^T        W [out, in] frozen, A [r, in], B [out, r] trained
 
 Matmuls are cuBLAS (torch.mm / addmm); the base weight never gets a gradient. Per projection:
-  forward   xa = x A^T (saved),  y = x W^T,  y += s xa B^T (in place, rank r)
-  backward  g = dy B,  dB = s dy^T xa,  dA = s g^T x,  dx = dy W + s g A
+  forward   xa = x A^T (saved),  y = x W^T,  y += xa (s B)^T (in place, rank r)
+  backward  g = dy (s B),  dB = s dy^T xa,  dA = g^T x,  dx = dy W + g A
 so one big matmul each way (the floor: x W^T and dy W) and four thin ones; g serves dA and dx,
 and work for an input that does not require grad is skipped. lora_qkv does q, k and v with one
 x A^T for the three adapters (A's stacked) and one summed dx.
@@ -354,12 +354,18 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dt
     return F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
-def _thin_grads(xc, dys, xas, lora_as, lora_bs, scalings, needs_a, needs_b, need_dx, dtype):
+def _scaled_b(lora_b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """s B in the compute dtype (scaled at B's precision, rounded once): folding s into B
+    leaves g = dy (s B) already scaled for dA and dx, so neither needs a scaled copy of A."""
+    return (lora_b * scaling).to(dtype)
+
+
+def _thin_grads(xc, dys, xas, scaled_bs, scalings, lora_as, lora_bs, needs_a, needs_b, need_dx):
     """Adapter gradients of projections sharing one input x [N, in] (compute dtype xc), and
-    the stacked g = dy B [N, sum r] that dx needs (dx += g @ stacked s A; None when dx is not
+    the stacked g = dy (s B) [N, sum r] that dx needs (dx += g @ stacked A; None when dx is not
     wanted).
 
-    One g per projection serves both dA = s g^T x and dx; the dA of all projections is one
+    One g per projection serves both dA = g^T x and dx; the dA of all projections is one
     matmul (g's stacked)."""
     grads_b = [
         _scaled(torch.mm(dy.t(), xa), s, b) if need_b else None
@@ -367,16 +373,17 @@ def _thin_grads(xc, dys, xas, lora_as, lora_bs, scalings, needs_a, needs_b, need
     ]
     if not (any(needs_a) or need_dx):
         return [None] * len(lora_as), grads_b, None
-    gs = [torch.mm(dy, b.to(dtype)) for dy, b in zip(dys, lora_bs, strict=True)]
+    gs = [torch.mm(dy, b) for dy, b in zip(dys, scaled_bs, strict=True)]
     g = torch.cat(gs, dim=1) if len(gs) > 1 else gs[0]
     grads_a = [None] * len(lora_as)
     if any(needs_a):
-        stacked = torch.mm(g.t(), xc)
-        start = 0
-        for i, (a, s, need_a) in enumerate(zip(lora_as, scalings, needs_a, strict=True)):
-            if need_a:
-                grads_a[i] = _scaled(stacked[start : start + a.shape[0]], s, a)
-            start += a.shape[0]
+        dtypes = {a.dtype for a in lora_as}  # one cast for the usual single adapter dtype
+        stacked = torch.mm(g.t(), xc).to(dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        rows = stacked.split([a.shape[0] for a in lora_as])
+        grads_a = [
+            row.to(a.dtype) if need_a else None
+            for row, a, need_a in zip(rows, lora_as, needs_a, strict=True)
+        ]
     return grads_a, grads_b, g if need_dx else None
 
 
@@ -396,14 +403,10 @@ def _with_bias(saved):
     return [(saved[i], None, saved[i + 1], saved[i + 2]) for i in range(0, len(saved), 3)]
 
 
-def _stacked_a(groups, dtype, scalings=None):
-    """The projections' A's stacked [sum r, in] in the compute dtype (one x A^T for all); each
-    times its scaling when given (for dx += g @ s A)."""
-    if scalings is not None:
-        pairs = zip(groups, scalings, strict=True)
-        stacked = [(a.float() * s).to(dtype) for (_, _, a, _), s in pairs]
-    else:
-        stacked = [a.to(dtype) for _, _, a, _ in groups]
+def _stacked_a(groups, dtype):
+    """The projections' A's stacked [sum r, in] in the compute dtype (one x A^T for all, and
+    one g @ A for dx)."""
+    stacked = [a.to(dtype) for _, _, a, _ in groups]
     return torch.cat(stacked) if len(stacked) > 1 else stacked[0]
 
 
@@ -434,14 +437,16 @@ class _LoraProjectionsFunction(torch.autograd.Function):
         groups = _groups(tensors)
         eager = _utils.plain_eager(x, *tensors)
         xc = x.to(dtype)
-        xa_all = torch.mm(xc, _stacked_a(groups, dtype).t())
+        stacked_a = _stacked_a(groups, dtype)
+        xa_all = torch.mm(xc, stacked_a.t())
+        scaled_bs = [_scaled_b(b, s, dtype) for (*_, b), s in zip(groups, scalings, strict=True)]
         outputs = []
-        for (weight, bias, _, lora_b), xa, s in zip(
-            groups, _thin_columns(xa_all, groups), scalings, strict=True
+        for (weight, bias, _, _), xa, scaled_b in zip(
+            groups, _thin_columns(xa_all, groups), scaled_bs, strict=True
         ):
             y = _linear(xc, weight, bias, dtype)
-            outputs.append(_add_mm(y, xa, lora_b.to(dtype).t(), s, eager))
-        ctx.save_for_backward(x, xa_all, *_without_bias(groups))
+            outputs.append(_add_mm(y, xa, scaled_b.t(), 1, eager))
+        ctx.save_for_backward(x, xa_all, stacked_a, *scaled_bs, *_without_bias(groups))
         ctx.dtype, ctx.scalings = dtype, scalings
         # Read in forward: torch 2.11's Dynamo traces a backward that reads needs_input_grad
         # as if nothing needed a gradient (all-zero gradients under Inductor).
@@ -451,8 +456,9 @@ class _LoraProjectionsFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        x, xa_all, *tensors = ctx.saved_tensors
-        groups, dtype = _with_bias(tensors), ctx.dtype
+        count = len(ctx.scalings)
+        x, xa_all, stacked_a, *tensors = ctx.saved_tensors
+        scaled_bs, groups, dtype = tensors[:count], _with_bias(tensors[count:]), ctx.dtype
         need_x = ctx.flags[0]
         needs_a, needs_b = _needs(ctx, groups, 3)
         grad_x = None
@@ -460,14 +466,14 @@ class _LoraProjectionsFunction(torch.autograd.Function):
         dys = [grad.to(dtype) for grad in grads]
         xc = x.to(dtype)
         grads_a, grads_b, g = _thin_grads(
-            xc, dys, _thin_columns(xa_all, groups), [grp[2] for grp in groups],
-            [grp[3] for grp in groups], ctx.scalings, needs_a, needs_b, need_x, dtype,
+            xc, dys, _thin_columns(xa_all, groups), scaled_bs, ctx.scalings,
+            [grp[2] for grp in groups], [grp[3] for grp in groups], needs_a, needs_b, need_x,
         )
         if need_x:
             grad_x = torch.mm(dys[0], groups[0][0].to(dtype))
             for dy, (weight, *_) in zip(dys[1:], groups[1:], strict=True):
                 grad_x = _add_mm(grad_x, dy, weight.to(dtype), 1, eager)
-            grad_x = _add_mm(grad_x, g, _stacked_a(groups, dtype, ctx.scalings), 1, eager)
+            grad_x = _add_mm(grad_x, g, stacked_a, 1, eager)
             grad_x = grad_x.to(x.dtype)
         per_projection = [(None, None, ga, gb) for ga, gb in zip(grads_a, grads_b, strict=True)]
         return (grad_x, None, None, *(g for grads in per_projection for g in grads))
@@ -528,16 +534,19 @@ class _LoraMLPFunction(torch.autograd.Function):
             grad_a_down = _grad_to(sum_a_down, a_down) if need_a_down else None
             grad_b_gate = _transposed_grad(sum_b_gate, groups[0][3], need_b_gate)
             grad_b_up = _transposed_grad(sum_b_up, groups[1][3], need_b_up)
+            gate_group, up_group = groups[:2]
+            scaled_bs = [_scaled_b(gate_group[3], s_gate, dtype),
+                         _scaled_b(up_group[3], s_up, dtype)]
             (grad_a_gate, grad_a_up), _, g = _thin_grads(
                 x.to(dtype), (grad_gate, grad_up), _thin_columns(xa_gate_up, groups[:2]),
-                (groups[0][2], groups[1][2]), (groups[0][3], groups[1][3]), (s_gate, s_up),
-                (needs_a_gate, needs_a_up), (False, False), need_x, dtype,
+                scaled_bs, (s_gate, s_up), (gate_group[2], up_group[2]),
+                (gate_group[3], up_group[3]),
+                (needs_a_gate, needs_a_up), (False, False), need_x,
             )
             if need_x:
-                grad_x = torch.mm(grad_gate, groups[0][0].to(dtype))
-                grad_x = _add_mm(grad_x, grad_up, groups[1][0].to(dtype), 1, eager)
-                stacked_a = _stacked_a(groups[:2], dtype, (s_gate, s_up))
-                grad_x = _add_mm(grad_x, g, stacked_a, 1, eager)
+                grad_x = torch.mm(grad_gate, gate_group[0].to(dtype))
+                grad_x = _add_mm(grad_x, grad_up, up_group[0].to(dtype), 1, eager)
+                grad_x = _add_mm(grad_x, g, _stacked_a(groups[:2], dtype), 1, eager)
                 grad_x = grad_x.to(x.dtype)
         return (grad_x, None, None, None, None, None, grad_a_gate, grad_b_gate, None, None,
                 grad_a_up, grad_b_up, None, None, grad_a_down, grad_b_down)
