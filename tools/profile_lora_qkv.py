@@ -37,43 +37,55 @@ def main() -> None:
 
     print(f"six base matmuls alone: {bench(matmuls):.3f} ms")
     for adapter_dtype in (torch.float32, bf16):
-        lora = [
-            (
-                (torch.randn(R, H, device=dev, dtype=adapter_dtype) / H**0.5).requires_grad_(),
-                (torch.randn(o, R, device=dev, dtype=adapter_dtype) * 0.05).requires_grad_(),
-            )
-            for o in outs
-        ]
-        projections = [(w, a, b, SCALING) for w, (a, b) in zip(weights, lora, strict=True)]
-        params = [x, *(t for pair in lora for t in pair)]
+        profile(make_step(x, weights, dys, adapter_dtype), str(adapter_dtype))
 
-        def step():
-            with torch.autocast("cuda", dtype=bf16, enabled=adapter_dtype == torch.float32):
-                q, k, v = fusetune.lora_qkv(x, *projections)
-            torch.autograd.backward((q, k, v), dys)
-            for t in params:
-                t.grad = None
 
-        step()
-        torch.cuda.synchronize()
-        ms = bench(step)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            step()
-        host_ms = (time.perf_counter() - start) / 10 * 1e3
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_ms = sum(e.device_time for e in kernels) / 5 / 1e3
-        print(
-            f"{adapter_dtype}: step {ms:.3f} ms | kernels {gpu_ms:.3f} ms GPU, "
-            f"{len(kernels) / 5:.0f} launches | host enqueue {host_ms:.3f} ms"
+def make_step(x, weights, dys, adapter_dtype):
+    """One fwd+bwd of lora_qkv (fp32 adapters under bf16 autocast, as PEFT; bf16 without)."""
+    dev, bf16 = x.device, torch.bfloat16
+    lora = [
+        (
+            (torch.randn(R, H, device=dev, dtype=adapter_dtype) / H**0.5).requires_grad_(),
+            (torch.randn(w.shape[0], R, device=dev, dtype=adapter_dtype) * 0.05).requires_grad_(),
         )
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        for w in weights
+    ]
+    projections = [(w, a, b, SCALING) for w, (a, b) in zip(weights, lora, strict=True)]
+    params = [x, *(t for pair in lora for t in pair)]
+
+    def step():
+        with torch.autocast("cuda", dtype=bf16, enabled=adapter_dtype == torch.float32):
+            q, k, v = fusetune.lora_qkv(x, *projections)
+        torch.autograd.backward((q, k, v), dys)
+        for t in params:
+            t.grad = None
+
+    return step
+
+
+def profile(step, label: str) -> None:
+    """Prints the step's bench time, GPU kernel time, launches and host enqueue time."""
+    step()
+    torch.cuda.synchronize()
+    ms = bench(step)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        step()
+    host_ms = (time.perf_counter() - start) / 10 * 1e3
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 5 / 1e3
+    launches = sum(e.count for e in kernels) / 5
+    print(
+        f"{label}: step {ms:.3f} ms | kernels {gpu_ms:.3f} ms GPU, "
+        f"{launches:.0f} launches | host enqueue {host_ms:.3f} ms"
+    )
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
