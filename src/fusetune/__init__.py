@@ -12,6 +12,7 @@ from fusetune import (
 )
 from fusetune._utils import backend
 from fusetune.gsa import gated_slot_attention
+from fusetune.integrations.transformers import apply, revert
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "add_rms_norm",
+    "apply",
     "backend",
     "cross_entropy",
     "gated_slot_attention",
@@ -37,6 +39,7 @@ __all__ = [
     "lora_qkv",
     "nn",
     "reference",
+    "revert",
     "rms_norm",
     "rope",
     "selective_log_softmax",

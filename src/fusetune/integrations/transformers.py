@@ -1,0 +1,386 @@
+"""One line to put a transformers causal LM on fusetune's kernels.
+
+    model = AutoModelForCausalLM.from_pretrained(...)   # or get_peft_model(...)
+    fusetune.apply(model)                                # this instance, in place
+    fusetune.apply("llama")                              # or the family's classes, before loading
+    ...train (HF Trainer, TRL, a loop)...
+    fusetune.revert(model)                               # transformers' own code back, exactly
+
+What is routed, per family (``SUPPORTED_FAMILIES``; transformers 5.x):
+
+- ``rms_norm``: every RMSNorm module (decoder norms, the final norm, Qwen3's q_norm / k_norm)
+  -> :func:`fusetune.rms_norm`, casting "llama" (Llama, Mistral, Qwen2, Qwen3) or "gemma"
+  (Gemma 2: fp32 with 1 + weight). Cohere normalises with LayerNorm: left to transformers.
+- ``rope``: the family's ``apply_rotary_pos_emb`` -> :func:`fusetune.rope` (interleaved pairs
+  for Cohere). It is a module-level function in transformers, so patching an instance replaces
+  it for the whole family while any patched model (or a class-level patch) of that family is
+  alive; the fused function computes the same rotation (in fp32, rounded once).
+- ``mlp``: the gated MLP -> :func:`fusetune.swiglu` / :func:`fusetune.geglu` (Gemma 2's
+  gelu_pytorch_tanh is geglu "tanh"); other activations keep transformers' forward.
+- ``linear_cross_entropy``: ``XForCausalLM.forward`` with labels in training computes the loss
+  with :func:`fusetune.linear_cross_entropy` from the final hidden states, with the model's own
+  settings (Gemma 2 final_logit_softcapping, Cohere logit_scale, HF's num_items_in_batch for
+  gradient accumulation, shift_labels, ignore_index); ``logits`` is then None. Without labels,
+  or in eval mode, transformers' forward runs unchanged (logits, logits_to_keep, generation);
+  ``skip_logits=True/False`` overrides the choice per call.
+- ``lora``: a PEFT LoRA model's q/k/v, MLP and other LoRA linears ->
+  :func:`fusetune.integrations.peft.apply` (fused LoRA ops).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fusetune.integrations import peft as peft_integration
+from fusetune.integrations._transformers_forwards import (
+    FAMILIES,
+    Family,
+    causal_lm_forward,
+    glu_of,
+    mlp_forward,
+    rms_norm_forward,
+    rope_function,
+)
+
+__all__ = ["SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS", "apply", "patched", "revert"]
+
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
+# transformers releases the patches are tested against (CI: the newest, GPU pass: the oldest).
+TESTED_TRANSFORMERS = ("5.17", "5.23")
+OPTIONS = ("rms_norm", "rope", "mlp", "linear_cross_entropy", "lora")
+
+_MARK = "_fusetune_hf_patch"  # on each patched submodule: what revert restores
+_STATE = "_fusetune_hf_state"  # on the patched model
+_ABSENT = object()
+_version_warned = False
+
+
+@dataclass
+class _Patch:
+    original: Callable | None  # the instance-level forward before patching, if there was one
+    had_instance_forward: bool
+
+
+@dataclass
+class _State:
+    family: str
+    rope: bool = False
+    peft: bool = False  # we applied fusetune.integrations.peft (revert undoes it)
+
+
+@dataclass
+class _RopeSlot:
+    """Who holds a family's module-level apply_rotary_pos_emb patched: the class-level patch
+    and/or live patched instances. Restored when the last one lets go."""
+
+    original: Callable | None = None
+    class_level: bool = False
+    holders: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+# family -> {(owner, attribute): value before patching, or _ABSENT}
+_CLASS_PATCHES: dict[str, dict[tuple[object, str], object]] = {}
+_ROPE: dict[str, _RopeSlot] = {}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_transformers_version() -> None:
+    """One warning per process when transformers is outside the tested releases."""
+    global _version_warned
+    import transformers
+
+    version = transformers.__version__
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major_minor = (0, 0)
+    low, high = (tuple(int(p) for p in v.split(".")) for v in TESTED_TRANSFORMERS)
+    if not low <= major_minor <= high and not _version_warned:
+        _version_warned = True
+        warnings.warn(
+            f"fusetune.integrations.transformers is tested with transformers "
+            f"{TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1]}; this is {version}. The "
+            "patches fall back to transformers' own code where a forward does not look as "
+            "expected, but check the loss against an unpatched run.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _family(model_type: object, what: str) -> Family:
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(
+            f"model_or_model_type: {what} {model_type!r} is not a supported model family; "
+            f"fusetune patches {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return family
+
+
+def _check_options(options: dict[str, object]) -> None:
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _pretrained_class():
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+def _resolve(target: object) -> tuple[Family, type | None, torch.nn.Module | None]:
+    """(family, class, None) for a model type or class; (family, None, model) for a live
+    model, where model is the transformers model inside a PEFT or compile wrapper."""
+    pretrained = _pretrained_class()
+    if isinstance(target, str):
+        return _family(target, "model type"), None, None
+    if isinstance(target, type):
+        if not issubclass(target, pretrained):
+            raise TypeError(
+                "model_or_model_type must be a model type string, a transformers "
+                f"PreTrainedModel class or a model instance, got the class {target.__name__}"
+            )
+        model_type = getattr(target.config_class, "model_type", None)
+        return _family(model_type, f"{target.__name__} has model type"), target, None
+    if isinstance(target, torch.nn.Module):
+        inner = next((m for m in target.modules() if isinstance(m, pretrained)), None)
+        if inner is not None:
+            model_type = getattr(inner.config, "model_type", None)
+            return _family(model_type, f"{type(inner).__name__} has model type"), None, inner
+    raise TypeError(
+        "model_or_model_type must be a model type string (e.g. 'llama'), a transformers "
+        "PreTrainedModel class or a model instance (PEFT-wrapped too), got "
+        f"{type(target).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------- rope slot
+
+
+def _hold_rope(family: Family, holder: torch.nn.Module | None) -> None:
+    slot = _ROPE.setdefault(family.model_type, _RopeSlot())
+    modeling = family.modeling
+    if slot.original is None:
+        slot.original = modeling.apply_rotary_pos_emb
+        modeling.apply_rotary_pos_emb = rope_function(family, slot.original)
+    if holder is None:
+        slot.class_level = True
+    else:
+        slot.holders.add(holder)
+
+
+def _release_rope(family: Family, holder: torch.nn.Module | None) -> None:
+    slot = _ROPE.get(family.model_type)
+    if slot is None or slot.original is None:
+        return
+    if holder is None:
+        slot.class_level = False
+    else:
+        slot.holders.discard(holder)
+    if not slot.class_level and len(slot.holders) == 0:
+        family.modeling.apply_rotary_pos_emb = slot.original
+        slot.original = None
+
+
+# ----------------------------------------------------------------------------- class level
+
+
+def _set_class_attribute(family: Family, owner: type, name: str, value: object) -> None:
+    saved = _CLASS_PATCHES.setdefault(family.model_type, {})
+    if (owner, name) in saved:
+        return  # already patched: applying twice is harmless
+    saved[(owner, name)] = owner.__dict__.get(name, _ABSENT)
+    setattr(owner, name, value)
+
+
+def _apply_to_classes(family: Family, options: dict[str, bool]) -> None:
+    norm, mlp, lm = (family.attribute(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
+    if options["rms_norm"] and family.norm_casting and norm is not None:
+        _set_class_attribute(family, norm, "forward", rms_norm_forward(family))
+    if options["mlp"] and mlp is not None:
+        _set_class_attribute(family, mlp, "forward", mlp_forward(family, mlp.forward))
+    if options["linear_cross_entropy"] and lm is not None:
+        _set_class_attribute(family, lm, "forward", causal_lm_forward(family, lm.forward))
+    if options["rope"]:
+        _hold_rope(family, None)
+
+
+def _revert_classes(family: Family) -> None:
+    for (owner, name), before in _CLASS_PATCHES.pop(family.model_type, {}).items():
+        if before is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, before)
+    _release_rope(family, None)
+
+
+# ----------------------------------------------------------------------------- instance level
+
+
+def _install(module: torch.nn.Module, forward: Callable) -> None:
+    if hasattr(module, _MARK):
+        return
+    had_instance = "forward" in module.__dict__
+    setattr(module, _MARK, _Patch(module.__dict__.get("forward"), had_instance))
+    module.forward = types.MethodType(forward, module)
+
+
+def _instance_forward(module: torch.nn.Module) -> Callable:
+    """The unbound forward ``module`` runs now (its instance forward, else its class's)."""
+    bound = module.__dict__.get("forward")
+    if bound is None:
+        return type(module).forward
+
+    def forward(self, *args, **kwargs):
+        return bound(*args, **kwargs)
+
+    # inspect (Trainer's column filter, generate's kwarg check) must still see the parameters
+    signature = inspect.signature(bound)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(
+        parameters=[self_parameter, *signature.parameters.values()]
+    )
+    return forward
+
+
+def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str, bool]) -> None:
+    norm, mlp, lm = (family.attribute(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
+    state = model.__dict__.get(_STATE) or _State(family.model_type)
+    for module in model.modules():
+        if hasattr(module, peft_integration._PATCH):
+            continue  # already on fusetune's LoRA path
+        if options["rms_norm"] and family.norm_casting and norm and isinstance(module, norm):
+            _install(module, rms_norm_forward(family))
+        elif options["mlp"] and mlp and isinstance(module, mlp) and _glu_matches(family, module):
+            _install(module, mlp_forward(family, _instance_forward(module)))
+    if options["linear_cross_entropy"] and lm is not None and isinstance(model, lm):
+        _install(model, causal_lm_forward(family, _instance_forward(model)))
+    if options["rope"] and not state.rope:
+        _hold_rope(family, model)
+        state.rope = True
+    setattr(model, _STATE, state)
+
+
+def _glu_matches(family: Family, mlp: torch.nn.Module) -> bool:
+    """The activation named by the config is the one act_fn computes (checked by value, so
+    a model whose act_fn was swapped after construction keeps its own forward)."""
+    glu = glu_of(family, mlp)
+    return glu is not None and peft_integration.mlp_activation(mlp.act_fn) == glu
+
+
+def _apply_lora(target: torch.nn.Module, model: torch.nn.Module) -> None:
+    if any(peft_integration.is_lora_layer(m) for m in target.modules()):
+        peft_integration.apply(target)
+        model.__dict__[_STATE].peft = True
+
+
+def _revert_instance(family: Family, target: torch.nn.Module, model: torch.nn.Module) -> None:
+    state = model.__dict__.pop(_STATE, None)
+    if state is not None and state.peft:
+        peft_integration.unpatch(target)
+    for module in target.modules():
+        patch = module.__dict__.pop(_MARK, None)
+        if patch is None:
+            continue
+        if patch.had_instance_forward:
+            module.forward = patch.original
+        else:
+            module.__dict__.pop("forward", None)
+    if state is not None and state.rope:
+        _release_rope(family, model)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def apply(
+    model_or_model_type,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    mlp: bool = True,
+    linear_cross_entropy: bool = True,
+    lora: bool = True,
+):
+    """Route a transformers causal LM through fusetune's kernels (see the module doc).
+
+    Args:
+        model_or_model_type: a model type ("llama", ...) or a PreTrainedModel class: patches the
+            family's classes, so models built afterwards (from_pretrained) use fusetune, and
+            live ones too; or a live model (a PeftModel / LoraModel or a torch.compile wrapper
+            is searched for the transformers model inside): patches that instance only (and
+            the family's apply_rotary_pos_emb, a module-level function, while it lives).
+        rms_norm, rope, mlp, linear_cross_entropy: which parts to route.
+        lora: with a live model holding PEFT LoRA layers, also
+            :func:`fusetune.integrations.peft.apply` (fused LoRA projections and MLP).
+
+    Applying twice is harmless (a second call only adds parts not yet routed). Compile the
+    model after patching (a compiled graph keeps the code it traced).
+
+    Returns:
+        ``model_or_model_type``, unchanged in identity.
+
+    Raises:
+        ValueError: a model family fusetune does not patch (the message lists the supported
+            ones). TypeError: an object that is no model, class or type string; an option that
+            is not a bool. Warns once per process when transformers is outside
+            ``TESTED_TRANSFORMERS``.
+    """
+    options = dict(
+        rms_norm=rms_norm,
+        rope=rope,
+        mlp=mlp,
+        linear_cross_entropy=linear_cross_entropy,
+        lora=lora,
+    )
+    _check_options(options)
+    family, _, model = _resolve(model_or_model_type)
+    _check_transformers_version()
+    if model is None:
+        _apply_to_classes(family, options)
+        return model_or_model_type
+    _apply_to_instance(family, model, options)
+    if lora:
+        _apply_lora(model_or_model_type, model)
+    return model_or_model_type
+
+
+def revert(model_or_model_type):
+    """Undo :func:`apply`: for a model type or class, the family's classes and module
+    function; for a model, every forward apply set on it (its own instance forwards come
+    back as they were) and the LoRA routing apply added. Returns the argument."""
+    family, _, model = _resolve(model_or_model_type)
+    if model is None:
+        _revert_classes(family)
+    else:
+        _revert_instance(family, model_or_model_type, model)
+    return model_or_model_type
+
+
+def patched(model_or_model_type) -> list[str]:
+    """What is routed now: for a model, the names of its modules with a fusetune forward
+    (LoRA routing included, "" for the model itself) plus "apply_rotary_pos_emb" when the
+    family's function is fused; for a family, the patched class attributes."""
+    family, _, model = _resolve(model_or_model_type)
+    slot = _ROPE.get(family.model_type)
+    rope_on = ["apply_rotary_pos_emb"] if slot is not None and slot.original is not None else []
+    if model is None:
+        saved = _CLASS_PATCHES.get(family.model_type, {})
+        return sorted(f"{owner.__name__}.{name}" for owner, name in saved) + rope_on
+    root = model_or_model_type
+    names = [
+        name
+        for name, module in root.named_modules()
+        if hasattr(module, _MARK) or hasattr(module, peft_integration._PATCH)
+    ]
+    return names + rope_on
