@@ -1,21 +1,44 @@
-"""``python -m fusetune COMMAND``: the command-line entry point."""
+"""``python -m fusetune COMMAND``: the command-line entry point.
+
+Commands: ``finetune`` (supervised fine-tuning with fusetune applied) and ``bench`` (time ops,
+and ``bench e2e`` whole LoRA training steps, next to their peers).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+COMMANDS = {
+    "finetune": "LoRA (or full) fine-tuning of a causal LM with fusetune applied",
+    "bench": "time ops (or 'bench e2e': whole training steps) next to torch and peers",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m fusetune", description=__doc__)
-    parser.add_argument("command", choices=["bench"], help="bench: time ops next to their peers")
+    parser = argparse.ArgumentParser(
+        prog="python -m fusetune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "command",
+        choices=list(COMMANDS),
+        help="; ".join(f"{name}: {text}" for name, text in COMMANDS.items()),
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
-    args, rest = parser.parse_known_args(argv[:1]), argv[1:]
-    if args[0].command == "bench":
-        from fusetune.bench import main as bench_main
+    try:
+        command = parser.parse_args(argv[:1]).command
+    except SystemExit as exc:  # an unknown command: argparse printed why
+        return exc.code if isinstance(exc.code, int) else 2
+    rest = argv[1:]
+    if command == "finetune":
+        from fusetune.finetune import main as finetune_main
 
-        return bench_main(rest)
-    return 2
+        return finetune_main(rest)
+    from fusetune.bench import main as bench_main
+
+    return bench_main(rest)

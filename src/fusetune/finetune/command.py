@@ -1,0 +1,180 @@
+"""``python -m fusetune finetune``: check the input, train (twice with --compare), save, report."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fusetune
+from fusetune.finetune import data, models
+from fusetune.finetune.args import parse
+from fusetune.finetune.errors import FinetuneError
+from fusetune.finetune.output import MARKER, check_output, staged_output
+from fusetune.finetune.precision import Precision, bf16_supported, choose_precision
+from fusetune.finetune.progress import ProgressBar
+from fusetune.finetune.summary import format_comparison, format_summary
+from fusetune.finetune.train import RunResult, TrainSettings, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (0, or 2 for bad input: nothing is written)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse(argv)
+        with warnings.catch_warnings():
+            # PEFT calls a transformers property that 5.2x deprecates: noise for our users.
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+            return run(args)
+    except SystemExit as exc:  # argparse: --help (0), unknown option or bad value (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    except FinetuneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before the first model is built."""
+
+    args: argparse.Namespace
+    spec: models.ModelSpec
+    precision: Precision
+    encoder: Any
+    steps: list[list[data.Batch]]
+    data_name: str
+    examples: int
+    dropped: int
+
+
+def prepare(args: argparse.Namespace) -> Plan:
+    """All checks that can fail on bad input, in the order a user would fix them."""
+    check_output(Path(args.output))
+    examples, data_name = data.load_examples(args.data)
+    spec = models.resolve(args.model)
+    device = args.device
+    precision = choose_precision(args.precision, device.type, bf16_supported(device))
+    encoder = models.tokenizer(spec)
+    encoded, dropped = data.encode_all(examples, encoder, args.seq_len)
+    micro = data.make_batches(
+        encoded, args.batch_size, args.steps * args.grad_accum, encoder.pad_id, args.seed
+    )
+    steps = [micro[i : i + args.grad_accum] for i in range(0, len(micro), args.grad_accum)]
+    return Plan(args, spec, precision, encoder, steps, data_name, len(examples), dropped)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = prepare(args)
+    lines = describe(plan)
+    for key, value in lines.items():
+        print(f"{key}: {value}", file=sys.stderr)
+    baseline = None
+    if args.compare:
+        baseline, model = train_once(plan, fused=False)
+        del model
+    result, model = train_once(plan, fused=True)
+    saved = save(plan, model, [r for r in (baseline, result) if r is not None])
+    lines["saved"] = saved
+    print(format_summary(result, lines))
+    if baseline is not None:
+        print()
+        print(format_comparison(baseline, result))
+    return 0
+
+
+def describe(plan: Plan) -> dict[str, str]:
+    args, spec = plan.args, plan.spec
+    origin = "built-in, random weights, byte tokenizer" if spec.tiny else "checkpoint"
+    mode = (
+        "full fine-tuning"
+        if args.full
+        else (f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on all linear layers")
+    )
+    dropped = f", {plan.dropped} dropped (no completion within --seq-len)" if plan.dropped else ""
+    where = str(args.device)
+    if args.device.type == "cpu":
+        where += " (fusetune's CPU path is its PyTorch reference; the kernels run on CUDA)"
+    return {
+        "model": f"{spec.name} ({spec.family}, {origin}), {mode}",
+        "data": f"{plan.data_name}: {plan.examples} examples{dropped}",
+        "device": where,
+        "precision": plan.precision.describe(),
+        "steps": f"{args.steps} x {args.batch_size} sequences x {args.grad_accum} accumulated, "
+        f"seq-len <= {args.seq_len}, lr {args.lr:g}"
+        + (", gradient checkpointing" if args.gradient_checkpointing else ""),
+    }
+
+
+def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
+    """Build the model afresh (same seed, same weights), optionally apply fusetune, train."""
+    args = plan.args
+    _release(args.device)
+    model = models.build(plan.spec, plan.precision.weight_dtype(args.full), args.device, args.seed)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = _add_lora(model, args) if not args.full else model.requires_grad_(True)
+    base = "HF" if args.full else "HF + PEFT"
+    if fused:
+        from fusetune.integrations import transformers as hf_integration
+
+        hf_integration.apply(model)
+    label = f"{base} + fusetune" if fused else base
+    settings = TrainSettings(args.lr, args.max_grad_norm, plan.precision, args.device)
+    progress = ProgressBar(args.steps, label)
+    return train(model, plan.steps, settings, label, progress), model
+
+
+def _add_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    import peft
+
+    torch.manual_seed(args.seed + 1)  # the same adapters in both --compare runs
+    config = peft.LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def save(plan: Plan, model: torch.nn.Module, results: list[RunResult]) -> str:
+    """Adapter (or model), tokenizer and a run record into --output, all or nothing."""
+    args = plan.args
+    output = Path(args.output)
+    from fusetune.integrations import transformers as hf_integration
+
+    hf_integration.revert(model)  # save transformers' own modules, as any checkpoint
+    with staged_output(output) as staging:
+        model.save_pretrained(str(staging))
+        plan.encoder.save(staging)
+        record = {
+            "fusetune_version": fusetune.__version__,
+            "model": plan.spec.name,
+            "model_type": plan.spec.family,
+            "mode": "full" if args.full else "lora",
+            "precision": plan.precision.name,
+            "data": plan.data_name,
+            "args": {
+                k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()
+            },
+            "runs": [r.as_dict() for r in results],
+        }
+        (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        files = sorted(p.name for p in staging.iterdir())
+    what = "model" if args.full else "LoRA adapter"
+    return f"{output}/ ({what}: {', '.join(files)})"

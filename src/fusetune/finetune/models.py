@@ -1,0 +1,134 @@
+"""Models for the fine-tuning command: built-in tiny configs (random weights, byte tokenizer, no
+download), local folders and hub ids; the family check before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusetune.finetune.errors import FinetuneError
+from fusetune.finetune.tokenizers import ByteTokenizer, HFTokenizer
+
+# Small enough that the command runs in about a minute on a 2-core CPU, big enough to learn.
+_TINY_SHAPE = dict(
+    vocab_size=320,  # the byte tokenizer's 259 ids, rounded up to a multiple of 64
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    initializer_range=0.1,  # wide enough for LoRA alone to move the random lm_head's logits
+    pad_token_id=ByteTokenizer.pad_id,
+    bos_token_id=ByteTokenizer.bos_id,
+    eos_token_id=ByteTokenizer.eos_id,
+)
+# name -> (model_type, family-specific settings on top of _TINY_SHAPE)
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("llama", {}),
+    "tiny-mistral": ("mistral", {"sliding_window": None}),
+    "tiny-qwen2": ("qwen2", {}),
+    "tiny-qwen3": ("qwen3", {}),
+    "tiny-gemma2": (
+        "gemma2",
+        {"query_pre_attn_scalar": 16, "sliding_window": 64, "final_logit_softcapping": 30.0},
+    ),
+    "tiny-cohere": ("cohere", {"logit_scale": 0.25}),
+}
+DEFAULT_MODEL = "tiny-llama"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved ``--model``: where it comes from, its family and its config."""
+
+    name: str
+    family: str
+    config: Any
+    tiny: bool
+
+    @property
+    def attn_implementation(self) -> str:
+        # transformers recommends eager attention for training Gemma 2 (its attention softcap).
+        return "eager" if self.family == "gemma2" else "sdpa"
+
+
+def supported_families() -> tuple[str, ...]:
+    """The model types fusetune can patch (``fusetune.integrations.transformers``)."""
+    from fusetune.integrations.transformers import SUPPORTED_FAMILIES
+
+    return tuple(SUPPORTED_FAMILIES)
+
+
+def resolve(name: str) -> ModelSpec:
+    """Read ``--model``'s config (no weights yet) and check that fusetune can patch it."""
+    import transformers
+
+    if name in TINY_MODELS:
+        model_type, settings = TINY_MODELS[name]
+        config = transformers.AutoConfig.for_model(model_type, **{**_TINY_SHAPE, **settings})
+        spec = ModelSpec(name, model_type, config, tiny=True)
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(name)
+        except (OSError, ValueError, KeyError) as exc:
+            raise FinetuneError(
+                f"--model {name!r} is not a built-in tiny model ({', '.join(TINY_MODELS)}), "
+                f"a local model folder or a reachable hub id: {_first_line(exc)}"
+            ) from None
+        spec = ModelSpec(name, getattr(config, "model_type", "?"), config, tiny=False)
+    families = supported_families()
+    if spec.family not in families:
+        raise FinetuneError(
+            f"--model {name!r} is a {spec.family!r} model, which fusetune cannot patch; "
+            f"supported model types: {', '.join(families)}"
+        )
+    return spec
+
+
+def build(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    """The causal LM in ``dtype`` on ``device``: random weights (seeded) for a tiny model, the
+    checkpoint's otherwise. Its KV cache is off (training)."""
+    import transformers
+
+    if spec.tiny:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(
+            spec.config, attn_implementation=spec.attn_implementation
+        )
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            spec.name, dtype=dtype, attn_implementation=spec.attn_implementation
+        ).to(device)
+    model.config.use_cache = False
+    return model
+
+
+def tokenizer(spec: ModelSpec) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer for tiny models, the checkpoint's own otherwise."""
+    if spec.tiny:
+        return ByteTokenizer()
+    import transformers
+
+    try:
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(spec.name)
+    except (OSError, ValueError) as exc:
+        message = f"--model {spec.name!r}: no usable tokenizer: {_first_line(exc)}"
+        raise FinetuneError(message) from None
+    encoder = HFTokenizer(hf_tokenizer, spec.name)
+    model_vocab = getattr(spec.config, "vocab_size", None)
+    if model_vocab is not None and encoder.vocab_size > model_vocab:
+        raise FinetuneError(
+            f"--model {spec.name!r}: its tokenizer has {encoder.vocab_size} tokens but the "
+            f"model's embedding only {model_vocab}"
+        )
+    return encoder
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
