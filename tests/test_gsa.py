@@ -271,6 +271,17 @@ def test_gate_gradient_with_very_negative_gates():
     run_check(inputs, torch.float32, "chunk", atol=1e-6)
 
 
+def test_chunk_blocks_on_either_side_of_the_fast_drop_limit():
+    """A 16-token block whose gates drop by ~55 still takes the factorised diagonal (one factor
+    near exp(55)); the next block drops by ~70 and takes the exact decay-column loop (the limit
+    is chunk.FAST_DROP = 60). Both exact in fp32, gradients included."""
+    inputs = make_inputs(batch=1, seq_len=40, q_heads=2, heads=1)
+    inputs["g"][:, [2, 9], :, :] = -27.0
+    inputs["g"][:, [18, 27], :, 1::2] = -35.0
+    inputs["s"] = 1 - inputs["g"].exp()
+    run_check(inputs, torch.float32, "chunk")
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_gradients_without_final_state_and_initial_state(algo):
     """The plain call: o only; gradients for q, k, v, s, g."""

@@ -40,9 +40,10 @@ SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
 # Smaller under the interpreter so tests cross chunk boundaries.
 STATE_CHUNK, STATE_CHUNK_INTERPRETED = 64, 32
 SLOT_BLOCK = 16  # BMS: slots per program of the sequential state kernels (more programs)
-# Warps per kernel: the fewest with no register spill in ptxas's sm_90 report (Triton 3.6);
-# bwd_b spills at either count, least at 8. Not yet timed (tools/tune_gsa.py times variants).
-NUM_WARPS = {"states": 8, "dstates": 8, "fwd": 4, "bwd_a": 8, "bwd_b": 8}
+# Warps per kernel. Timed on the H100 (tools/tune_gsa.py, 2026-11-23): 4 everywhere beat the
+# library's 8/8/4/8/8 by 8.6 -> 5.9 ms, though ptxas reports more spill at 4 (two CTAs of 4
+# warps per SM keep as many warps resident as one of 8, with cheaper block-wide exchanges).
+NUM_WARPS = {"states": 4, "dstates": 4, "fwd": 4, "bwd_a": 4, "bwd_b": 4}
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
@@ -239,13 +240,71 @@ def dstates_kernel(
 
 
 # ----------------------------------------------------------------------------- per block
+# A pair of blocks (rows i later than columns j) is two matmuls through a boundary cumsum ref:
+# exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j). The diagonal block joins the pairs through the
+# same ref, its products masked to i >= j; one of its two factors then exceeds 1, by at most
+# exp(drop) with drop the block's largest gate drop over 16 tokens. Up to FAST_DROP that factor
+# (<= 1.2e26) times a 16-term sum of products stays far inside fp32 (and tf32); a steeper block
+# (gates near -1e4 or -inf, a full reset) takes the exact decay-column loops instead.
+FAST_DROP = tl.constexpr(60.0)
 
 
 @triton.jit
 def _decayed_slots(s, gc, rows, ss_t, sc_t, row_mask, cm, mm_, ref):
-    """s_j exp(ref - G_j) [BT, BM] for a block of earlier tokens j (ref: a later cumsum)."""
+    """s_j exp(ref - G_j) [BT, BM] for a block of tokens j (0 on rows outside the mask)."""
     gcum = _tile(gc, rows, sc_t, row_mask, cm, mm_)
     return _tile(s, rows, ss_t, row_mask, cm, mm_) * _decay(ref[None, :] - gcum, row_mask)
+
+
+@triton.jit
+def _steep(gcum, ref, row_mask):
+    """Whether a block's largest |G - ref| (its gate drop) passes FAST_DROP: a scalar."""
+    drop = tl.where(row_mask[:, None], tl.abs(gcum - ref[None, :]), 0.0)
+    return tl.max(tl.max(drop, axis=1), axis=0) > FAST_DROP
+
+
+@triton.jit
+def _lower(x, rows, cols):
+    """x [rows, cols] where token cols <= token rows, else 0."""
+    return tl.where(cols[None, :] <= rows[:, None], x, 0.0)
+
+
+@triton.jit
+def _upper(x, rows, cols):
+    """x [rows, cols] where token cols >= token rows, else 0."""
+    return tl.where(cols[None, :] >= rows[:, None], x, 0.0)
+
+
+@triton.jit
+def _exact_gated(acc, x, s, gc, gcum, start, ss_t, sc_t, cm, mm_, ti, n):
+    """acc + sum_j x[:, j] s_j W[:, j] over the diagonal block, W[i, j] = exp(G_i - G_j) [BM]
+    for i >= j (a slot-gated product: scores or dp), one decay column at a time."""
+    for j in range(0, n):
+        w = _decay_column(gcum, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        acc += _column(x, ti, j)[:, None] * _row(s, start + j, ss_t, cm, mm_)[None, :] * w
+    return acc
+
+
+@triton.jit
+def _exact_pairs(y, s, gc, gcum, start, ss_t, sc_t, cm, mm_, ti, n, BT: tl.constexpr):
+    """[BT, BT] with (i, j) = sum_m y_i s_j W[i, j] over the diagonal block (0 for i < j)."""
+    out = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, n):
+        w = _decay_column(gcum, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        out = _put_column(out, ti, j, tl.sum(y * _row(s, start + j, ss_t, cm, mm_)[None, :] * w,
+                                             axis=1))
+    return out
+
+
+@triton.jit
+def _exact_ds(acc, xa, ya, xb, yb, gc, gcum, start, sc_t, cm, mm_, ti, n):
+    """acc + row j: sum_i W[i, j] (xa[i, j] ya_i + xb[i, j] yb_i) over the diagonal block (the
+    diagonal's part of ds)."""
+    for j in range(0, n):
+        w = _decay_column(gcum, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
+        x = w * (_column(xa, ti, j)[:, None] * ya + _column(xb, ti, j)[:, None] * yb)
+        acc += tl.where(ti[:, None] == j, tl.sum(x, axis=0)[None, :], 0.0)
+    return acc
 
 
 @triton.jit
@@ -266,7 +325,7 @@ def fwd_kernel(
     VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program per (block of BT tokens, sequence x query head): o of its rows, from the
-    chunk-start states and the chunk's earlier blocks."""
+    chunk-start states, the chunk's earlier blocks and the diagonal block."""
     i_cb, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
@@ -287,39 +346,37 @@ def fwd_kernel(
     n = tl.minimum(c_end - start, BT)
     q_i = _inputs(q, rows, sq_t, mt, ck, mk)
     g_i = _tile(gc, rows, sc_t, mt, cm, mm_)
-    ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)
+    ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)  # the cumsum before the block
     e = _decay(g_i, mt)
     u = _decay(g_i - ref[None, :], mt)
-    # Slot scores: chunk-start state, earlier blocks (through ref), the diagonal block.
+    steep = _steep(g_i, ref, mt)
+    n_pairs = bi + 1 - steep.to(tl.int32)  # the earlier blocks, and the diagonal unless steep
+    # Slot scores: chunk-start state, then the block pairs.
     a = e * mm(q_i, load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
-    earlier = tl.zeros([BT, BM], dtype=tl.float32)
-    for bj in range(0, bi):
+    pairs = tl.zeros([BT, BM], dtype=tl.float32)
+    for bj in range(0, n_pairs):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
         qk = mm_inputs(q_i, tl.trans(_inputs(k, rows_j, sk_t, mj, ck, mk)), DOT, UPCAST)
-        earlier += mm(qk, sd, DOT, UPCAST)
-    a += u * earlier
-    qk = mm_inputs(q_i, tl.trans(_inputs(k, rows, sk_t, mt, ck, mk)), DOT, UPCAST)
-    for j in range(0, n):
-        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
-        a += _column(qk, ti, j)[:, None] * _row(s, start + j, ss_t, cm, mm_)[None, :] * w
+        pairs += mm(_lower(qk, rows, rows_j), sd, DOT, UPCAST)
+    a += u * pairs
+    if steep:
+        qk = mm_inputs(q_i, tl.trans(_inputs(k, rows, sk_t, mt, ck, mk)), DOT, UPCAST)
+        a = _exact_gated(a, qk, s, gc, g_i, start, ss_t, sc_t, cm, mm_, ti, n)
     a, p = _softmax(a * scale, mm_)
-    # Output: the same three parts with p in place of q.
+    # Output: the same parts with p in place of q.
     o_c = mm(p * e, load_hv(hv_buf, state, cv, cm, mv, mm_, V, M), DOT, UPCAST)
     pu = p * u
-    for bj in range(0, bi):
+    for bj in range(0, n_pairs):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
-        attn = mm(pu, tl.trans(sd), DOT, UPCAST)
+        attn = _lower(mm(pu, tl.trans(sd), DOT, UPCAST), rows, rows_j)
         o_c += mm(attn, _inputs(v, rows_j, sv_t, mj, cv, mv), DOT, UPCAST)
-    attn = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in range(0, n):
-        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
-        s_j = _row(s, start + j, ss_t, cm, mm_)
-        attn = _put_column(attn, ti, j, tl.sum(p * s_j[None, :] * w, axis=1))
-    o_c += mm(attn, _inputs(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
+    if steep:
+        attn = _exact_pairs(p, s, gc, g_i, start, ss_t, sc_t, cm, mm_, ti, n, BT)
+        o_c += mm(attn, _inputs(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
     _store(o, rows, so_t, mt, cv, mv, o_c)
 
 
@@ -359,44 +416,40 @@ def bwd_a_kernel(
     ref = _ref_row(gc, start - 1, sc_t, cm, mm_, c0, c_end)
     e = _decay(g_i, mt)
     u = _decay(g_i - ref[None, :], mt)
+    steep = _steep(g_i, ref, mt)
+    n_pairs = bi + 1 - steep.to(tl.int32)
     a = e * mm(q_i, load_hk(hk_buf, state, ck, cm, mk, mm_, K, M), DOT, UPCAST)
     dp = e * mm(do_i, tl.trans(load_hv(hv_buf, state, cv, cm, mv, mm_, V, M)), DOT, UPCAST)
-    earlier_a = tl.zeros([BT, BM], dtype=tl.float32)
-    earlier_dp = tl.zeros([BT, BM], dtype=tl.float32)
-    for bj in range(0, bi):
+    pairs_a = tl.zeros([BT, BM], dtype=tl.float32)
+    pairs_dp = tl.zeros([BT, BM], dtype=tl.float32)
+    for bj in range(0, n_pairs):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
         qk = mm_inputs(q_i, tl.trans(_inputs(k, rows_j, sk_t, mj, ck, mk)), DOT, UPCAST)
         dov = mm_inputs(do_i, tl.trans(_inputs(v, rows_j, sv_t, mj, cv, mv)), DOT, UPCAST)
-        earlier_a += mm(qk, sd, DOT, UPCAST)
-        earlier_dp += mm(dov, sd, DOT, UPCAST)
-    a += u * earlier_a
-    dp += u * earlier_dp
-    k_i = _inputs(k, rows, sk_t, mt, ck, mk)
-    qk = mm_inputs(q_i, tl.trans(k_i), DOT, UPCAST)
-    dov = mm_inputs(do_i, tl.trans(_inputs(v, rows, sv_t, mt, cv, mv)), DOT, UPCAST)
-    for j in range(0, n):
-        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
-        sw = _row(s, start + j, ss_t, cm, mm_)[None, :] * w
-        a += _column(qk, ti, j)[:, None] * sw
-        dp += _column(dov, ti, j)[:, None] * sw
+        pairs_a += mm(_lower(qk, rows, rows_j), sd, DOT, UPCAST)
+        pairs_dp += mm(_lower(dov, rows, rows_j), sd, DOT, UPCAST)
+    a += u * pairs_a
+    dp += u * pairs_dp
+    if steep:
+        qk = mm_inputs(q_i, tl.trans(_inputs(k, rows, sk_t, mt, ck, mk)), DOT, UPCAST)
+        dov = mm_inputs(do_i, tl.trans(_inputs(v, rows, sv_t, mt, cv, mv)), DOT, UPCAST)
+        a = _exact_gated(a, qk, s, gc, g_i, start, ss_t, sc_t, cm, mm_, ti, n)
+        dp = _exact_gated(dp, dov, s, gc, g_i, start, ss_t, sc_t, cm, mm_, ti, n)
     a, p = _softmax(a * scale, mm_)
     da = p * (dp - tl.sum(p * dp, axis=1)[:, None])
     dq_c = mm(da * e, tl.trans(load_hk(hk_buf, state, ck, cm, mk, mm_, K, M)), DOT, UPCAST)
     du = da * u
-    for bj in range(0, bi):
+    for bj in range(0, n_pairs):
         rows_j = c0 + bj * BT + ti.to(tl.int64)
         mj = rows_j < c_end
         sd = _decayed_slots(s, gc, rows_j, ss_t, sc_t, mj, cm, mm_, ref)
-        b = mm(du, tl.trans(sd), DOT, UPCAST)
+        b = _lower(mm(du, tl.trans(sd), DOT, UPCAST), rows, rows_j)
         dq_c += mm(b, _inputs(k, rows_j, sk_t, mj, ck, mk), DOT, UPCAST)
-    b = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in range(0, n):
-        w = _decay_column(g_i, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
-        s_j = _row(s, start + j, ss_t, cm, mm_)
-        b = _put_column(b, ti, j, tl.sum(da * s_j[None, :] * w, axis=1))
-    dq_c += mm(b, k_i, DOT, UPCAST)
+    if steep:
+        b = _exact_pairs(da, s, gc, g_i, start, ss_t, sc_t, cm, mm_, ti, n, BT)
+        dq_c += mm(b, _inputs(k, rows, sk_t, mt, ck, mk), DOT, UPCAST)
     _store(dq, rows, sdq_t, mt, ck, mk, dq_c * scale)
     _store(p_buf + w_off, rows, sw_t, mt, cm, mm_, p)
     _store(da_buf + w_off, rows, sw_t, mt, cm, mm_, da)
@@ -413,9 +466,9 @@ def bwd_b_kernel(
     VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Sweep B per (chunk, sequence x query head), its blocks j in reverse: dk, dv, ds from the
-    chunk-end state gradients, the later blocks i of the chunk (through the cumsum r at the end
-    of block j) and the diagonal block; dg within the chunk (fp32; dg_kernel adds what later
-    chunks contribute, from each chunk's total stored here)."""
+    chunk-end state gradients and the block pairs (rows j, columns i of the same or a later block
+    of the chunk, through the cumsum ref at block j's last token); dg within the chunk (fp32;
+    dg_kernel adds what later chunks contribute, from each chunk's total stored here)."""
     c, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
@@ -444,7 +497,6 @@ def bwd_b_kernel(
         start = c0 + bj * BT
         rows = start + ti.to(tl.int64)
         mt = rows < c_end
-        n = tl.minimum(c_end - start, BT)
         g_j = _tile(gc, rows, sc_t, mt, cm, mm_)
         s_j = _tile(s, rows, ss_t, mt, cm, mm_)
         k_j = _inputs(k, rows, sk_t, mt, ck, mk)
@@ -456,15 +508,15 @@ def bwd_b_kernel(
         dk_c = mm(s_j * to_end, tl.trans(dhk), DOT, UPCAST)
         dv_c = mm(s_j * to_end, dhv, DOT, UPCAST)
         ds_c = to_end * (mm(k_j, dhk, DOT, UPCAST) + mm(v_j, tl.trans(dhv), DOT, UPCAST))
-        # Later blocks i of the chunk through the cumsum at the block's last token; rows j x
-        # columns i products.
+        # Block pairs: products rows j x columns i, masked to i >= j.
         ref = _row(gc, tl.minimum(start + BT, c_end) - 1, sc_t, cm, mm_)
         w_j = _decay(ref[None, :] - g_j, mt)
         sw = s_j * w_j
-        dk_later = tl.zeros([BT, BK], dtype=tl.float32)
-        dv_later = tl.zeros([BT, BV], dtype=tl.float32)
-        ds_later = tl.zeros([BT, BM], dtype=tl.float32)
-        for bi in range(bj + 1, n_blocks):
+        steep = _steep(g_j, ref, mt)
+        dk_pairs = tl.zeros([BT, BK], dtype=tl.float32)
+        dv_pairs = tl.zeros([BT, BV], dtype=tl.float32)
+        ds_pairs = tl.zeros([BT, BM], dtype=tl.float32)
+        for bi in range(bj + steep.to(tl.int32), n_blocks):
             rows_i = c0 + bi * BT + ti.to(tl.int64)
             mi = rows_i < c_end
             u = _decay(_tile(gc, rows_i, sc_t, mi, cm, mm_) - ref[None, :], mi)
@@ -472,32 +524,29 @@ def bwd_b_kernel(
             pu = _tile(p_buf, rows_i, sw_t, mi, cm, mm_) * u
             q_i = _inputs(q, rows_i, sq_t, mi, ck, mk)
             do_i = _inputs(do, rows_i, sdo_t, mi, cv, mv)
-            dk_later += mm(mm(sw, tl.trans(dau), DOT, UPCAST), q_i, DOT, UPCAST)
-            dv_later += mm(mm(sw, tl.trans(pu), DOT, UPCAST), do_i, DOT, UPCAST)
-            kq = mm_inputs(k_j, tl.trans(q_i), DOT, UPCAST) * scale
-            vdo = mm_inputs(v_j, tl.trans(do_i), DOT, UPCAST)
-            ds_later += mm(kq, dau, DOT, UPCAST) + mm(vdo, pu, DOT, UPCAST)
-        dk_c += dk_later * scale
-        dv_c += dv_later
-        ds_c += w_j * ds_later
-        # The diagonal block.
-        q_j = _inputs(q, rows, sq_t, mt, ck, mk)
-        do_j = _inputs(do, rows, sdo_t, mt, cv, mv)
-        p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
-        da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
-        qk = mm_inputs(q_j, tl.trans(k_j), DOT, UPCAST) * scale
-        dov = mm_inputs(do_j, tl.trans(v_j), DOT, UPCAST)
-        b = tl.zeros([BT, BT], dtype=tl.float32)
-        attn = tl.zeros([BT, BT], dtype=tl.float32)
-        for j in range(0, n):
-            w = _decay_column(g_j, _row(gc, start + j, sc_t, cm, mm_), ti, j, n)
-            sw = _row(s, start + j, ss_t, cm, mm_)[None, :] * w
-            b = _put_column(b, ti, j, tl.sum(da * sw, axis=1))
-            attn = _put_column(attn, ti, j, tl.sum(p * sw, axis=1))
-            x = w * (_column(qk, ti, j)[:, None] * da + _column(dov, ti, j)[:, None] * p)
-            ds_c += tl.where(ti[:, None] == j, tl.sum(x, axis=0)[None, :], 0.0)
-        dk_c += mm(tl.trans(b), q_j, DOT, UPCAST) * scale
-        dv_c += mm(tl.trans(attn), do_j, DOT, UPCAST)
+            b = _upper(mm(sw, tl.trans(dau), DOT, UPCAST), rows, rows_i)
+            attn = _upper(mm(sw, tl.trans(pu), DOT, UPCAST), rows, rows_i)
+            dk_pairs += mm(b, q_i, DOT, UPCAST)
+            dv_pairs += mm(attn, do_i, DOT, UPCAST)
+            kq = _upper(mm_inputs(k_j, tl.trans(q_i), DOT, UPCAST), rows, rows_i) * scale
+            vdo = _upper(mm_inputs(v_j, tl.trans(do_i), DOT, UPCAST), rows, rows_i)
+            ds_pairs += mm(kq, dau, DOT, UPCAST) + mm(vdo, pu, DOT, UPCAST)
+        dk_c += dk_pairs * scale
+        dv_c += dv_pairs
+        ds_c += w_j * ds_pairs
+        if steep:  # the diagonal block, one decay column at a time
+            n = tl.minimum(c_end - start, BT)
+            q_j = _inputs(q, rows, sq_t, mt, ck, mk)
+            do_j = _inputs(do, rows, sdo_t, mt, cv, mv)
+            p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
+            da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
+            b = _exact_pairs(da, s, gc, g_j, start, ss_t, sc_t, cm, mm_, ti, n, BT)
+            attn = _exact_pairs(p, s, gc, g_j, start, ss_t, sc_t, cm, mm_, ti, n, BT)
+            dk_c += mm(tl.trans(b), q_j, DOT, UPCAST) * scale
+            dv_c += mm(tl.trans(attn), do_j, DOT, UPCAST)
+            qk = mm_inputs(q_j, tl.trans(k_j), DOT, UPCAST) * scale
+            dov = mm_inputs(do_j, tl.trans(v_j), DOT, UPCAST)
+            ds_c = _exact_ds(ds_c, qk, da, dov, p, gc, g_j, start, sc_t, cm, mm_, ti, n)
         x = _tile(r_buf + w_off, rows, sw_t, mt, cm, mm_) - s_j * ds_c  # dL/dG per token
         total = tl.sum(x, axis=0)
         dg_c = dg_run[None, :] + total[None, :] - tl.cumsum(x, axis=0) + x
@@ -535,3 +584,7 @@ def dg_kernel(
     mt = rows < eos
     local = _tile(dgl_buf + i_b * sw_b + i_hq * sw_h, rows, sw_t, mt, cm, mm_)
     _store(dg + i_b * sdg_b + i_hq * sdg_h, rows, sdg_t, mt, cm, mm_, local + offset[None, :])
+
+
+KERNELS = {"states": states_kernel, "dstates": dstates_kernel, "fwd": fwd_kernel,
+           "bwd_a": bwd_a_kernel, "bwd_b": bwd_b_kernel, "dg": dg_kernel}

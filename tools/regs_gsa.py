@@ -1,0 +1,113 @@
+"""Registers and spills of the chunked GSA kernels on sm_90, compiled on the CPU (no GPU).
+
+    PYTHONPATH=src python tools/regs_gsa.py [bf16|fp16|fp32] [varlen] [warps=N]
+
+Compiles every kernel of ``fusetune.gsa.chunk`` at the benchmark's constants (K = V = M = 64)
+with the library's warps, then prints ptxas's register count and spill bytes per kernel (the
+cubin's resource usage, through the cuobjdump bundled with Triton). A proxy for occupancy: 255
+registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fusetune.gsa import chunk
+
+# Pointer arguments that are fp32 buffers (everything else is an input-dtype tensor).
+FP32_POINTERS = {
+    "gc",
+    "hk_buf",
+    "hv_buf",
+    "hkT",
+    "hvT",
+    "dhkT",
+    "dhvT",
+    "f_buf",
+    "p_buf",
+    "da_buf",
+    "r_buf",
+    "dhk_buf",
+    "dhv_buf",
+    "dhk0",
+    "dhv0",
+    "dgl_buf",
+    "tot_buf",
+    "hk0",
+    "hv0",
+    "x_buf",
+}
+INT_POINTERS = {"cu"}
+SIZES = dict(
+    BK=64,
+    BV=64,
+    BM=64,
+    BMS=chunk.SLOT_BLOCK,
+    BT=chunk.SUB_CHUNK,
+    S=chunk.STATE_CHUNK,
+    GROUP=1,
+    UPCAST=False,
+)
+
+
+def signature(fn, dtype: str, flags: dict) -> tuple[dict, dict]:
+    sig, constexprs = {}, {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+            constexprs[name] = flags.get(name, SIZES.get(name, False))
+        elif name in INT_POINTERS:
+            sig[name] = "*i32"
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name == "scale":
+            sig[name] = "fp32"
+        elif name in ("q", "k", "v", "s", "g", "do", "o", "dq", "dk", "dv", "ds", "dg"):
+            sig[name] = f"*{dtype}"
+        else:
+            sig[name] = "i32"
+    return sig, constexprs
+
+
+def report(name: str, fn, dtype: str, flags: dict, warps: int) -> str:
+    sig, constexprs = signature(fn, dtype, flags)
+    src = ASTSource(fn, sig, constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+        ).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    return (
+        f"{name:10s} {warps} warps  regs {regs.group(1) if regs else '?':>3s}  "
+        f"stack {stack.group(1) if stack else '?'} B"
+    )
+
+
+def main() -> None:
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+    dot = {"bf16": 0, "fp16": 1, "fp32": 2}[dtype]
+    flags = dict(DOT=dot, VARLEN="varlen" in sys.argv[2:])
+    warps = [int(a[6:]) for a in sys.argv[2:] if a.startswith("warps=")]
+    for name, fn in chunk.KERNELS.items():
+        n_warps = warps[0] if warps else chunk.NUM_WARPS.get(name, 4)
+        print(report(name, fn, dtype, flags, n_warps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
