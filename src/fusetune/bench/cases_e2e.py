@@ -1,0 +1,601 @@
+"""End-to-end benchmark: one LoRA training step (forward, backward, AdamW step) of whole models.
+
+Shapes: Llama-3.2-1B (batch 4) and Qwen2.5-0.5B (batch 8), built from their configs with random
+weights (no download), bf16 base weights, PEFT LoRA r=16 alpha=32 on every linear layer (q, k,
+v, o, gate, up, down) with fp32 adapters (PEFT's default), the step under bf16 autocast (as HF
+Trainer's ``bf16=True`` runs it), sdpa attention, sequence 2048, labels = inputs (every token
+trained), fused AdamW on the adapters, no gradient checkpointing.
+
+Variants: ``hf+peft`` (transformers + PEFT as they are), ``hf+peft+liger`` (Liger-Kernel's
+``apply_liger_kernel_to_llama`` / ``_qwen2``, all its defaults: RMSNorm, RoPE, SwiGLU, fused
+linear cross-entropy), ``hf+peft+fusetune`` (``fusetune.integrations.transformers.apply`` on
+the PEFT model: RMSNorm, RoPE, linear cross-entropy and the fused LoRA projections and MLP).
+
+``python -m fusetune bench e2e`` runs each variant in its own subprocess (a fresh model, and
+no patch can leak from one variant into the next: Liger patches transformers' modules for the
+whole process), prints tokens/s, the step's median time, the peak memory of the whole run
+(weights, adapters, optimizer state and activations: ``torch.cuda.max_memory_allocated``) and
+the largest batch each variant fits, and writes ``e2e.json`` and ``e2e.txt``. The largest
+batch is found cheaply: peak memory is affine in the batch (weights and optimizer state fixed,
+activations per sequence), so one measured run gives the estimate
+``(free memory - fixed) / per-sequence``, and ``--max-batch verify`` then runs one step at the
+estimate (stepping down 10 % after an out-of-memory error, at most 3 tries). On a machine
+without a GPU the command is a smoke run: tiny configs, in one process, no Liger.
+
+Registered cases (op ``e2e``) run the same steps through the generic harness
+(``python -m fusetune bench``): time, and peak memory above the weights and optimizer state;
+HF + PEFT and fusetune only (Liger's process-wide patches need the subprocess runner).
+
+FLOP count (the floor): base matmuls forward and dx backward (no weight gradients: the base is
+frozen), 2 x 2 x tokens x matmul parameters (lm_head included), plus attention QK^T and PV
+counted in full (not halved for causality), forward + backward (3 x 4 B T^2 H d per layer):
+47 TFLOP for the Llama step, as the issue counts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusetune.bench.harness import Case, environment, register
+
+SEQ_LEN = 2048
+RANK, ALPHA = 16, 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune")
+GIB = float(1024**3)
+RESULT_TAG = "E2E_RESULT "
+WORKER_TIMEOUT_S = 600
+# Fraction of the free memory a batch may plan to use (fragmentation, cuBLAS workspaces).
+MEMORY_HEADROOM = 0.97
+VERIFY_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    model_type: str
+    config: dict[str, Any]
+    batch: int
+
+
+SHAPES = {
+    "llama-3.2-1b": Shape(
+        "Llama-3.2-1B",
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        batch=4,
+    ),
+    "qwen2.5-0.5b": Shape(
+        "Qwen2.5-0.5B",
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        batch=8,
+    ),
+}
+# The CPU smoke run (and --tiny): the same families, a few thousand parameters.
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+TINY_SEQ_LEN, TINY_BATCH = 64, 2
+
+
+def model_config(shape: Shape, tiny: bool) -> Any:
+    import transformers
+
+    settings = {**shape.config, **TINY_CONFIG} if tiny else dict(shape.config)
+    return transformers.AutoConfig.for_model(shape.model_type, **settings)
+
+
+# ----------------------------------------------------------------------------- one variant
+
+
+def apply_liger(model_type: str) -> None:
+    """Liger-Kernel's patch for the family, all its defaults, on the classes (before building:
+    the model is then built from Liger's modules, as ``AutoLigerKernelForCausalLM`` does)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+
+    {"llama": apply_liger_kernel_to_llama, "qwen2": apply_liger_kernel_to_qwen2}[model_type]()
+
+
+def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch.nn.Module:
+    """A fresh random-weight model of ``shape`` with LoRA adapters, patched for ``variant``."""
+    import peft
+    import transformers
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant == "hf+peft+liger":
+        apply_liger(shape.model_type)
+    base_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            model_config(shape, tiny), dtype=base_dtype, attn_implementation="sdpa"
+        )
+    model.config.use_cache = False
+    lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS)
+    model = peft.get_peft_model(model, lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
+            torch.nn.init.normal_(param, std=0.02)
+    if variant == "hf+peft+fusetune":
+        from fusetune.integrations import transformers as hf_integration
+
+        hf_integration.apply(model)
+    return model
+
+
+def make_step(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One training step on ``input_ids`` (labels = inputs); returns the loss, unsynced."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = input_ids.device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused)
+    autocast = input_ids.device.type == "cuda"
+    model.train()
+
+    def step() -> torch.Tensor:
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(step: Callable[[], torch.Tensor], device: torch.device, count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def flops(shape: Shape, batch: int, seq_len: int, tiny: bool = False) -> float:
+    """The step's matmul FLOPs (see the module doc): base forward + dx, attention in full."""
+    c = {**shape.config, **TINY_CONFIG} if tiny else shape.config
+    hidden, layers = c["hidden_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q_out, kv_out = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    per_layer = hidden * (2 * q_out + 2 * kv_out) + 3 * hidden * c["intermediate_size"]
+    params = layers * per_layer + hidden * c["vocab_size"]
+    tokens = batch * seq_len
+    attention = 3 * 4 * batch * seq_len**2 * q_out * layers
+    return 2 * 2 * tokens * params + attention
+
+
+def measure(
+    shape: Shape,
+    variant: str,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    *,
+    tiny: bool = False,
+    warmup: int = 2,
+    steps: int = 5,
+    max_batch: str = "estimate",
+    profile: bool = False,
+) -> dict[str, Any]:
+    """Build, warm up, time ``steps`` steps; memory is the whole run's peak above what was
+    allocated before the model existed."""
+    cuda = device.type == "cuda"
+    free_before = torch.cuda.mem_get_info(device)[0] if cuda else None
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build(shape, variant, device, tiny)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    step = make_step(model, input_ids)
+    first = _time_steps(step, device, 1)[0]
+    _time_steps(step, device, max(0, warmup - 1))
+    times = _time_steps(step, device, steps)
+    step_ms = statistics.median(times)
+    result: dict[str, Any] = {
+        "shape": shape.name,
+        "variant": variant,
+        "batch": batch,
+        "seq_len": seq_len,
+        "step_ms": step_ms,
+        "step_ms_all": times,
+        "first_step_ms": first,
+        "tokens_per_s": batch * seq_len / (step_ms * 1e-3),
+        "tflops_per_s": flops(shape, batch, seq_len, tiny) / (step_ms * 1e-3) / 1e12,
+    }
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) - base
+        fixed = torch.cuda.memory_allocated(device) - base  # weights, adapters, AdamW state
+        result.update(peak_gib=peak / GIB, fixed_gib=fixed / GIB)
+        if max_batch != "off":
+            per_sequence = max(peak - fixed, 1) / batch
+            estimate = int((free_before * MEMORY_HEADROOM - fixed) // per_sequence)
+            result.update(per_sequence_gib=per_sequence / GIB, max_batch_estimate=estimate)
+            if max_batch == "verify":
+                del input_ids, step
+                result.update(_verify_max_batch(model, estimate, seq_len, vocab, device, base))
+    if profile and cuda:
+        result["profile"] = _profile(make_step(model, _ids(batch, seq_len, vocab, device)))
+    return result
+
+
+def _ids(batch: int, seq_len: int, vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq_len), device=device)
+
+
+def _verify_max_batch(model, estimate: int, seq_len: int, vocab: int, device, base: int):
+    """Run steps at the estimated largest batch, 10 % smaller after each out-of-memory error."""
+    batch, tried = estimate, []
+    for _ in range(VERIFY_TRIES):
+        if batch < 1:
+            break
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            step = make_step(model, _ids(batch, seq_len, vocab, device))
+            _time_steps(step, device, 1)
+            step_ms = _time_steps(step, device, 1)[0]
+        except torch.OutOfMemoryError:
+            tried.append(batch)
+            step = None
+            model.zero_grad(set_to_none=True)
+            batch = math.floor(batch * 0.9)
+            continue
+        peak = (torch.cuda.max_memory_allocated(device) - base) / GIB
+        return {
+            "max_batch_verified": batch,
+            "max_batch_peak_gib": peak,
+            "max_batch_tokens_per_s": batch * seq_len / (step_ms * 1e-3),
+            "max_batch_oom_at": tried,
+        }
+    return {"max_batch_verified": None, "max_batch_oom_at": tried}
+
+
+def _profile(step: Callable[[], torch.Tensor], top: int = 15) -> list[dict[str, Any]]:
+    """CUDA time per kernel name over one step, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "ms": device_us / 1e3, "calls": event.count})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def _worker(spec: str) -> int:
+    """Subprocess entry: measure one variant, print its result as one tagged JSON line."""
+    warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+    job = json.loads(spec)
+    shape = SHAPES[job.pop("shape")]
+    device = torch.device(job.pop("device"))
+    result = measure(shape, job.pop("variant"), job.pop("batch"), job.pop("seq_len"), device, **job)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+def _run_isolated(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", "fusetune.bench.cases_e2e", "--worker", json.dumps(job)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :])
+    tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return {"error": tail[-1][:200] if tail else f"exit status {done.returncode}"}
+
+
+def _run_in_process(job: dict[str, Any]) -> dict[str, Any]:
+    job = dict(job)
+    shape = SHAPES[job.pop("shape")]
+    device = torch.device(job.pop("device"))
+    try:
+        return measure(
+            shape, job.pop("variant"), job.pop("batch"), job.pop("seq_len"), device, **job
+        )
+    except Exception as exc:  # noqa: BLE001 - one variant failing must not end the run
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+    finally:
+        gc.collect()
+
+
+def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = args.tiny or device.type != "cuda"
+    isolate = device.type == "cuda" and not args.in_process
+    seq_len = args.seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
+    rows = []
+    for key in args.shapes:
+        shape = SHAPES[key]
+        batch = args.batch or (TINY_BATCH if tiny else shape.batch)
+        for variant in args.variants:
+            name = f"{shape.name} (tiny)" if tiny else shape.name
+            row = {"shape": name, "variant": variant, "batch": batch, "seq_len": seq_len}
+            if variant == "hf+peft+liger" and device.type != "cuda":
+                rows.append({**row, "note": "skipped: Liger-Kernel needs CUDA"})
+                continue
+            job = dict(
+                shape=key,
+                variant=variant,
+                batch=batch,
+                seq_len=seq_len,
+                device=str(device),
+                tiny=tiny,
+                max_batch=args.max_batch if device.type == "cuda" else "off",
+                profile=args.profile,
+                steps=args.steps,
+            )
+            print(f"[e2e] {shape.name} b{batch} | {variant} ...", file=sys.stderr, flush=True)
+            result = _run_isolated(job, args.timeout) if isolate else _run_in_process(job)
+            row.update({k: v for k, v in result.items() if k != "shape"})
+            print(f"[e2e] {shape.name} b{batch} | {variant} = {_brief(row)}", file=sys.stderr)
+            rows.append(row)
+    return rows
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if row.get("error"):
+        return "ERROR " + row["error"]
+    peak = row.get("peak_gib")
+    memory = f", {peak:.2f} GiB" if peak is not None else ""
+    return f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms{memory}"
+
+
+def format_e2e(rows: list[dict[str, Any]]) -> str:
+    header = ("shape", "batch", "variant", "step ms", "tokens/s", "vs hf+peft", "peak GiB")
+    header += ("largest batch", "note")
+    baseline = {r["shape"]: r.get("tokens_per_s") for r in rows if r["variant"] == "hf+peft"}
+    lines = []
+    for r in rows:
+        tps, base = r.get("tokens_per_s"), baseline.get(r["shape"])
+        ratio = f"{tps / base:.2f}x" if tps and base else "-"
+        lines.append(
+            (
+                r["shape"],
+                str(r["batch"]),
+                r["variant"],
+                _fmt(r.get("step_ms"), ".1f"),
+                _fmt(tps, ",.0f"),
+                ratio,
+                _fmt(r.get("peak_gib"), ".2f"),
+                _largest(r),
+                ("ERROR " + r["error"]) if r.get("error") else r.get("note", ""),
+            )
+        )
+    widths = [max(len(x) for x in col) for col in zip(header, *lines, strict=True)]
+    right = {1, 3, 4, 5, 6}
+
+    def render(cells):
+        pairs = enumerate(zip(cells, widths, strict=True))
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in pairs]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([render(header), rule, *(render(line) for line in lines)])
+
+
+def _largest(row: dict[str, Any]) -> str:
+    estimate = row.get("max_batch_estimate")
+    if estimate is None:
+        return "-"
+    if "max_batch_verified" not in row:
+        return f"~{estimate} (est.)"
+    verified = row["max_batch_verified"]
+    return f"{verified} (est. {estimate}, ran)" if verified is not None else f"<{estimate} (OOM)"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _versions() -> str:
+    import importlib.metadata
+
+    names = ("torch", "triton", "transformers", "peft", "liger-kernel", "fusetune")
+    found = []
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found.append(f"{name}={importlib.metadata.version(name)}")
+    return " ".join(found)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fusetune bench e2e",
+        description="One LoRA training step of Llama-3.2-1B- and Qwen2.5-0.5B-shaped models: "
+        "HF + PEFT, + Liger-Kernel, + fusetune (tiny smoke run without a GPU).",
+    )
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="(default: %(default)s)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="(default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=None, help="(default: 4 Llama, 8 Qwen)")
+    parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median; 5)")
+    parser.add_argument(
+        "--max-batch",
+        choices=("off", "estimate", "verify"),
+        default="estimate",
+        help="largest batch that fits: off, estimate (from the measured memory; free) or "
+        "verify (also run it) (default: %(default)s)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
+    parser.add_argument("--in-process", action="store_true", help="no subprocess per variant")
+    parser.add_argument("--profile", action="store_true", help="CUDA time per kernel, one step")
+    parser.add_argument("--timeout", type=float, default=WORKER_TIMEOUT_S, help="per variant, s")
+    parser.add_argument("--out", default="bench_results", help="folder for e2e.json and e2e.txt")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fusetune bench e2e``: 0, or 1 when a fusetune variant failed."""
+    args = build_parser().parse_args(argv)
+    # PEFT calls a transformers property that 5.2x deprecates: noise in every variant's log.
+    warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+    args.shapes = _choices(args.shapes, SHAPES, "--shapes")
+    args.variants = _choices(args.variants, VARIANTS, "--variants")
+    rows = run_e2e(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device, quick=device.type != "cuda")
+    where = env["gpu"] or "CPU smoke run (tiny configs)"
+    title = (
+        f"e2e: one LoRA step (fwd + bwd + AdamW), r={RANK} on all linear layers, bf16 base, "
+        f"fp32 adapters, sdpa | {where} | {_versions()} | {env['date']}"
+    )
+    table = format_e2e(rows)
+    print(table)
+    print(title)
+    for row in rows:
+        for line in _profile_lines(row):
+            print(line)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+    (out / "e2e.txt").write_text(table + "\n" + title + "\n")
+    print(f"wrote {out / 'e2e.json'} and {out / 'e2e.txt'}")
+    failed = [r for r in rows if r["variant"] == "hf+peft+fusetune" and r.get("error")]
+    return 1 if failed else 0
+
+
+def _profile_lines(row: dict[str, Any]) -> list[str]:
+    if not row.get("profile"):
+        return []
+    lines = [f"profile {row['shape']} b{row['batch']} {row['variant']} (CUDA ms, calls):"]
+    lines += [f"  {p['ms']:8.2f} {p['calls']:5d}  {p['kernel']}" for p in row["profile"]]
+    return lines
+
+
+def _choices(text: str, known, option: str) -> list[str]:
+    picked = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [p for p in picked if p not in known]
+    if unknown or not picked:
+        raise SystemExit(f"error: {option}: unknown {unknown or text!r}; known: {', '.join(known)}")
+    return picked
+
+
+# ----------------------------------------------------------------------------- harness cases
+
+
+def _harness_make(key: str) -> Callable[[torch.device, bool], dict[str, Callable[[], object]]]:
+    """Providers for the generic harness. Each model is built with one step already taken (so
+    its AdamW state exists and the harness's peak is the step's, above weights and optimizer
+    state); HF + PEFT now, fusetune at its first call, which drops the HF + PEFT model first
+    (fusetune's RoPE patch is family-wide while a patched model lives, and two models need not
+    share the memory)."""
+
+    def make(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
+        shape = SHAPES[key]
+        tiny = device.type != "cuda"
+        batch, seq_len = (TINY_BATCH, TINY_SEQ_LEN) if tiny else (shape.batch, SEQ_LEN)
+        live: dict[str, Callable[[], torch.Tensor]] = {}
+
+        def start(variant: str) -> None:
+            live.clear()
+            gc.collect()
+            model = build(shape, variant, device, tiny)
+            step = make_step(model, _ids(batch, seq_len, model.config.vocab_size, device))
+            step()
+            live[variant] = step
+
+        def provider(variant: str) -> Callable[[], object]:
+            def step() -> object:
+                if variant not in live:
+                    start(variant)
+                return live[variant]()
+
+            return step
+
+        start("hf+peft")
+        return {"hf+peft": provider("hf+peft"), "fusetune": provider("hf+peft+fusetune")}
+
+    return make
+
+
+def _harness_flops(key: str) -> Callable[[bool], float]:
+    def floor(quick: bool) -> float:
+        return flops(SHAPES[key], SHAPES[key].batch, SEQ_LEN)
+
+    return floor
+
+
+for _key, _shape in SHAPES.items():
+    register(
+        Case(
+            op="e2e",
+            name=f"{_shape.name} LoRA step b{_shape.batch} s{SEQ_LEN}",
+            make=_harness_make(_key),
+            floor_flops=_harness_flops(_key),
+        )
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(_worker(sys.argv[2]))
+    sys.exit(main(sys.argv[1:]))
