@@ -36,6 +36,7 @@ import torch
 # so a broken or slow cases file for one op never gets in the way of benchmarking another.
 CASE_MODULES: dict[str, str] = {
     "cross_entropy": "fusetune.bench.cases_cross_entropy",
+    "e2e": "fusetune.bench.cases_e2e",
     "gated_slot_attention": "fusetune.bench.cases_gsa",
     "grpo": "fusetune.bench.cases_grpo",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
