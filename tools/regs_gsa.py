@@ -48,6 +48,7 @@ FP32_POINTERS = {
 INT_POINTERS = {"cu"}
 SIZES = dict(
     BK=64,
+    BD=64,
     BV=64,
     BM=64,
     BMS=chunk.SLOT_BLOCK,

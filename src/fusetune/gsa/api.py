@@ -194,8 +194,11 @@ class _ChunkPlan:
                     UPCAST=UPCAST, num_warps=chunk.NUM_WARPS[kernel])
 
     def sequential(self, geom: Geometry, kernel: str) -> dict:
-        """Launch constants of the kernels that walk whole sequences (per block of slots)."""
-        return dict(**self.common(geom, kernel), BMS=self.slot_block, S=self.S)
+        """Launch constants of the kernels that walk whole sequences (per side and block of
+        slots; their grid's first axis is 2 * slot_blocks)."""
+        return dict(BD=max(geom.blocks["BK"], geom.blocks["BV"]), VARLEN=geom.varlen,
+                    DOT=geom.dot, UPCAST=UPCAST, num_warps=chunk.NUM_WARPS[kernel],
+                    BMS=self.slot_block, S=self.S)
 
     def per_chunk(self, geom: Geometry, kernel: str) -> dict:
         return dict(**self.common(geom, kernel), BM=geom.blocks["BM"], **self.const)
@@ -214,10 +217,11 @@ def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=No
     hk_buf = _utils.empty((plan.slots, *hk_shape[1:]), torch.float32, device)
     hv_buf = _utils.empty((plan.slots, *hv_shape[1:]), torch.float32, device)
     gc = _utils.empty((k.shape[0], geom.seq_len, heads, geom.slots), torch.float32, device)
-    f_buf = _utils.empty((geom.n_seq, heads, geom.slots) if dht else (0,), torch.float32, device)
+    f_buf = _utils.empty((2, geom.n_seq, heads, geom.slots) if dht else (0,), torch.float32,
+                         device)
     dummy = hk_buf
     if geom.n_seq * heads:
-        chunk.states_kernel[(plan.slot_blocks, geom.n_seq * heads)](
+        chunk.states_kernel[(2 * plan.slot_blocks, geom.n_seq * heads)](
             k, v, s, g, gc, dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
             hk_buf, hv_buf, *(final or (dummy, dummy)), *(dht or (dummy, dummy)), f_buf,
             dummy if cu is None else cu,
@@ -226,7 +230,7 @@ def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=No
             HAS_H0=hk0 is not None, STORE_HT=final is not None,
             HAS_DHT=dht is not None, **plan.sequential(geom, "states"),
         )
-    return hk_buf, hv_buf, gc, f_buf
+    return hk_buf, hv_buf, gc, f_buf.sum(0) if dht else f_buf
 
 
 def _forward_chunked(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state):
@@ -284,7 +288,7 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     dhv_buf = _utils.empty((plan.slots, hq, geom.slots, geom.value_dim), torch.float32, device)
     dhk0, dhv0 = (_utils.empty(shape, torch.float32, device) for shape in _state_shapes(geom, hq))
     if geom.n_seq * hq:
-        chunk.dstates_kernel[(plan.slot_blocks, geom.n_seq * hq)](
+        chunk.dstates_kernel[(2 * plan.slot_blocks, geom.n_seq * hq)](
             q, gc, do, p_buf, da_buf, *(dht or (dq, dq)), dhk_buf, dhv_buf, dhk0, dhv0, cu_arg,
             *_strides((q, layout), (gc, "BTHD"), (do, layout), (p_buf, "BTHD")), *sizes,
             HAS_DHT=dht is not None, **plan.sequential(geom, "dstates"),

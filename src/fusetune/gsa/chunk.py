@@ -32,7 +32,6 @@ from fusetune.gsa._common import (
     mm,
     mm_inputs,
     sequence_bounds,
-    store_states,
 )
 
 SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
@@ -141,102 +140,126 @@ def _ref_row(gc, t, sc_t, cm, mm_, lo, hi):
 
 
 # ----------------------------------------------------------------------------- state passing
+# The sequential kernels run one program per (side, block of BMS slots, sequence x head): side 0
+# carries the slots' columns of the key state Hk [K, M], side 1 the rows of the value state
+# Hv [M, V] (or their gradients). Each side holds its part as X [BMS, D] (Hk transposed) and
+# updates it as X = X * decay + W^T @ Y, twice the programs of carrying both states together.
+
+
+@triton.jit
+def _side(side, K, V, M):
+    """(D, stride of a slot, stride of a feature) of side ``side``'s states in memory: Hk [K, M]
+    holds (m, d) at d * M + m, Hv [M, V] at m * V + d."""
+    return K + side * (V - K), 1 + side * (V - 1), M + side * (1 - M)
+
+
+@triton.jit
+def _part(ptr, state, cm, cd, D, M, stride_m, stride_d):
+    """Pointers and mask of a program's [BMS, BD] part of state ``state`` (M * D values each)."""
+    ptrs = ptr + state * M * D + cm[:, None] * stride_m + cd[None, :] * stride_d
+    return ptrs, (cm[:, None] < M) & (cd[None, :] < D)
 
 
 @triton.jit
 def states_kernel(
     k, v, s, g, gc, hk0, hv0, hk_buf, hv_buf, hkT, hvT, dhkT, dhvT, f_buf, cu,
     sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h, sc_b, sc_t, sc_h,
-    T, H, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr, S: tl.constexpr,
+    T, H, K, V, M, NT, BD: tl.constexpr, BMS: tl.constexpr, S: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
     DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Per (block of BMS slots, sequence x key/value head): walk the chunks of S tokens carrying
-    the slots' columns of Hk and rows of Hv; store each chunk's starting states (fp32), the
-    chunk-local gate cumsum, the final states, and with HAS_DHT the final-state term of dg,
-    sum_k dHk_T * Hk_T + sum_v dHv_T * Hv_T, per slot."""
-    i_m, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """Walk the chunks of S tokens, X = X * exp(G_last) + (s exp(G_last - G))^T @ Y with Y = k
+    (side 0) or v (side 1); store each chunk's starting states (fp32), the final states, and with
+    HAS_DHT the final-state term of dg per side, sum_d dX_T * X_T [2, N x H, M]. Side 0 also
+    stores the chunk-local gate cumsum that every later kernel reads."""
+    side, i_m = tl.program_id(0) % 2, tl.program_id(0) // 2
+    pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // H, pid % H
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), i_m * BMS + tl.arange(0, BMS)
-    mk, mv, mm_ = ck < K, cv < V, cm < M
-    k += i_b * sk_b + i_h * sk_h
-    v += i_b * sv_b + i_h * sv_h
+    cd, cm = tl.arange(0, BD), i_m * BMS + tl.arange(0, BMS)
+    mm_ = cm < M
+    D, stride_m, stride_d = _side(side, K, V, M)
+    if side == 0:
+        y, buf, h0, hT, dhT = k + i_b * sk_b + i_h * sk_h, hk_buf, hk0, hkT, dhkT
+    else:
+        y, buf, h0, hT, dhT = v + i_b * sv_b + i_h * sv_h, hv_buf, hv0, hvT, dhvT
+    sy_t = sk_t + side * (sv_t - sk_t)
     s += i_b * ss_b + i_h * ss_h
     g += i_b * sg_b + i_h * sg_h
     gc += i_b * sc_b + i_h * sc_h
-    hk = tl.zeros([BK, BMS], dtype=tl.float32)
-    hv = tl.zeros([BMS, BV], dtype=tl.float32)
+    x = tl.zeros([BMS, BD], dtype=tl.float32)
     if HAS_H0:
-        hk += load_hk(hk0, pid, ck, cm, mk, mm_, K, M)
-        hv += load_hv(hv0, pid, cv, cm, mv, mm_, V, M)
+        ptrs, mask = _part(h0, pid, cm, cd, D, M, stride_m, stride_d)
+        x += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     for c in range(0, tl.cdiv(eos - bos, S)):
-        store_states(hk_buf, hv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, hk, hv,
-                      ck, cv, cm, mk, mv, mm_, K, V, M)
+        ptrs, mask = _part(buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, cm, cd, D, M,
+                           stride_m, stride_d)
+        tl.store(ptrs, x, mask=mask)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
         gate = load_gate(g + rows[:, None] * sg_t + cm[None, :], mt[:, None] & mm_[None, :])
         gcum = tl.cumsum(gate, axis=0)
-        _store(gc, rows, sc_t, mt, cm, mm_, gcum)
+        _store(gc, rows, sc_t, mt & (rows * 0 + side == 0), cm, mm_, gcum)  # once
         last = tl.sum(gate, axis=0)
         sd = _tile(s, rows, ss_t, mt, cm, mm_) * tl.exp(last[None, :] - gcum)
-        decay = tl.exp(last)
-        hk = hk * decay[None, :] + mm(tl.trans(_tile(k, rows, sk_t, mt, ck, mk)), sd, DOT, UPCAST)
-        hv = hv * decay[:, None] + mm(tl.trans(sd), _tile(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
+        x = x * tl.exp(last)[:, None] + mm(tl.trans(sd), _tile(y, rows, sy_t, mt, cd, cd < D),
+                                           DOT, UPCAST)
     if STORE_HT:
-        store_states(hkT, hvT, pid, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
+        ptrs, mask = _part(hT, pid, cm, cd, D, M, stride_m, stride_d)
+        tl.store(ptrs, x, mask=mask)
     if HAS_DHT:
-        final = (tl.sum(load_hk(dhkT, pid, ck, cm, mk, mm_, K, M) * hk, axis=0)
-                 + tl.sum(load_hv(dhvT, pid, cv, cm, mv, mm_, V, M) * hv, axis=1))
-        tl.store(f_buf + pid * M + cm, final, mask=mm_)
+        ptrs, mask = _part(dhT, pid, cm, cd, D, M, stride_m, stride_d)
+        final = tl.sum(tl.load(ptrs, mask=mask, other=0.0) * x, axis=1)
+        tl.store(f_buf + (side * tl.num_programs(1) + pid) * M + cm, final, mask=mm_)
 
 
 @triton.jit
 def dstates_kernel(
     q, gc, do, p_buf, da_buf, dhkT, dhvT, dhk_buf, dhv_buf, dhk0, dhv0, cu,
     sq_b, sq_t, sq_h, sc_b, sc_t, sc_h, sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, scale, T, HQ,
-    GROUP: tl.constexpr, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr,
+    GROUP: tl.constexpr, K, V, M, NT, BD: tl.constexpr, BMS: tl.constexpr,
     S: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Per (block of BMS slots, sequence x query head), chunks in reverse: store the gradients
-    w.r.t. each chunk's end states that come from later tokens (and the final-state gradient),
-    carried as dH = dH * exp(G_last) + q^T (da e) scale (resp. (p e)^T do); the rest is dh0."""
-    i_m, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """Chunks in reverse: store the gradients w.r.t. each chunk's end states that come from
+    later tokens (and the final-state gradient), carried as dX = dX * exp(G_last) + c (w e)^T @ Y
+    with (w, Y, c) = (da, q, scale) for side 0 (dHk) and (p, do, 1) for side 1 (dHv); the rest
+    is dh0."""
+    side, i_m = tl.program_id(0) % 2, tl.program_id(0) // 2
+    pid = tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), i_m * BMS + tl.arange(0, BMS)
-    mk, mv, mm_ = ck < K, cv < V, cm < M
-    q += i_b * sq_b + i_hq * sq_h
-    gc += i_b * sc_b + i_h * sc_h
-    do += i_b * sdo_b + i_hq * sdo_h
+    cd, cm = tl.arange(0, BD), i_m * BMS + tl.arange(0, BMS)
+    mm_ = cm < M
+    D, stride_m, stride_d = _side(side, K, V, M)
     w_off = i_b * sw_b + i_hq * sw_h
-    p_buf += w_off
-    da_buf += w_off
-    dhk = tl.zeros([BK, BMS], dtype=tl.float32)
-    dhv = tl.zeros([BMS, BV], dtype=tl.float32)
+    if side == 0:
+        y, w, buf, dhT, dh0 = q + i_b * sq_b + i_hq * sq_h, da_buf + w_off, dhk_buf, dhkT, dhk0
+    else:
+        y, w, buf, dhT, dh0 = do + i_b * sdo_b + i_hq * sdo_h, p_buf + w_off, dhv_buf, dhvT, dhv0
+    sy_t = sq_t + side * (sdo_t - sq_t)
+    factor = tl.where(side == 0, scale, 1.0)
+    gc += i_b * sc_b + i_h * sc_h
+    x = tl.zeros([BMS, BD], dtype=tl.float32)
     if HAS_DHT:
         if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
-            state = i_n * (HQ // GROUP) + i_h
-            dhk += load_hk(dhkT, state, ck, cm, mk, mm_, K, M)
-            dhv += load_hv(dhvT, state, cv, cm, mv, mm_, V, M)
+            ptrs, mask = _part(dhT, i_n * (HQ // GROUP) + i_h, cm, cd, D, M, stride_m, stride_d)
+            x += tl.load(ptrs, mask=mask, other=0.0)
     n_chunks = tl.cdiv(eos - bos, S)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        store_states(dhk_buf, dhv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, dhk, dhv,
-                      ck, cv, cm, mk, mv, mm_, K, V, M)
+        ptrs, mask = _part(buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, cm, cd, D, M,
+                           stride_m, stride_d)
+        tl.store(ptrs, x, mask=mask)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
-        e = _decay(_tile(gc, rows, sc_t, mt, cm, mm_), mt)
+        we = _tile(w, rows, sw_t, mt, cm, mm_) * _decay(_tile(gc, rows, sc_t, mt, cm, mm_), mt)
         decay = tl.exp(_row(gc, tl.minimum(bos + c * S + S, eos) - 1, sc_t, cm, mm_))
-        da = _tile(da_buf, rows, sw_t, mt, cm, mm_) * e
-        dhk = dhk * decay[None, :] + mm(tl.trans(_tile(q, rows, sq_t, mt, ck, mk)), da, DOT,
-                                        UPCAST) * scale
-        pe = _tile(p_buf, rows, sw_t, mt, cm, mm_) * e
-        dhv = dhv * decay[:, None] + mm(tl.trans(pe), _tile(do, rows, sdo_t, mt, cv, mv), DOT,
-                                        UPCAST)
-    store_states(dhk0, dhv0, pid, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
+        x = x * decay[:, None] + mm(tl.trans(we), _tile(y, rows, sy_t, mt, cd, cd < D), DOT,
+                                    UPCAST) * factor
+    ptrs, mask = _part(dh0, pid, cm, cd, D, M, stride_m, stride_d)
+    tl.store(ptrs, x, mask=mask)
 
 
 # ----------------------------------------------------------------------------- per block
