@@ -392,6 +392,7 @@ def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
                 max_batch=args.max_batch if device.type == "cuda" else "off",
                 profile=args.profile,
                 steps=args.steps,
+                warmup=args.warmup,
             )
             print(f"[e2e] {shape.name} b{batch} | {variant} ...", file=sys.stderr, flush=True)
             result = _run_isolated(job, args.timeout) if isolate else _run_in_process(job)
@@ -478,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=None, help="(default: 4 Llama, 8 Qwen)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median; 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     parser.add_argument(
         "--max-batch",
         choices=("off", "estimate", "verify"),

@@ -118,7 +118,7 @@ def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
     _release(args.device)
     model = models.build(plan.spec, plan.precision.weight_dtype(args.full), args.device, args.seed)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     model = _add_lora(model, args) if not args.full else model.requires_grad_(True)
     base = "HF" if args.full else "HF + PEFT"
     if fused:
@@ -129,6 +129,17 @@ def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
     settings = TrainSettings(args.lr, args.max_grad_norm, plan.precision, args.device)
     progress = ProgressBar(args.steps, label)
     return train(model, plan.steps, settings, label, progress), model
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing (needs no input that requires grad, so it works under LoRA);
+    transformers 5.2x renames the method, 5.17 has the old name only."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _add_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:

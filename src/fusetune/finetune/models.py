@@ -4,6 +4,7 @@ download), local folders and hub ids; the family check before anything is loaded
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,7 @@ def resolve(name: str) -> ModelSpec:
         config = transformers.AutoConfig.for_model(model_type, **{**_TINY_SHAPE, **settings})
         spec = ModelSpec(name, model_type, config, tiny=True)
     else:
+        _check_local(name)
         try:
             config = transformers.AutoConfig.from_pretrained(name)
         except (OSError, ValueError, KeyError) as exc:
@@ -87,6 +89,18 @@ def resolve(name: str) -> ModelSpec:
             f"supported model types: {', '.join(families)}"
         )
     return spec
+
+
+def _check_local(name: str) -> None:
+    """A name written as a path must be a model folder (no hub request for a typo'd path)."""
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or path.exists()
+    if not looks_local:
+        return  # a hub id, "org/name"
+    if not path.is_dir():
+        raise FinetuneError(f"--model {name!r}: no such model folder")
+    if not (path / "config.json").is_file():
+        raise FinetuneError(f"--model {name!r}: the folder has no config.json")
 
 
 def build(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
