@@ -71,18 +71,19 @@ class _Patch:
 @dataclass
 class _State:
     family: str
-    rope: bool = False
+    rope: bool = False  # holds the family's rope function (until revert or collection)
     peft: bool = False  # we applied fusetune.integrations.peft (revert undoes it)
 
 
 @dataclass
 class _RopeSlot:
     """Who holds a family's module-level apply_rotary_pos_emb patched: the class-level patch
-    and/or live patched instances. Restored when the last one lets go."""
+    and/or live patched instances (by id; each one's finalizer lets go when it is collected
+    without revert). Restored when the last one lets go."""
 
     original: Callable | None = None
     class_level: bool = False
-    holders: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    holders: dict[int, weakref.finalize] = field(default_factory=dict)
 
 
 # family -> {(owner, attribute): value before patching, or _ABSENT}
@@ -116,12 +117,13 @@ def _check_transformers_version() -> None:
         )
 
 
-def _family(model_type: object, what: str) -> Family:
+def _family(model_type: object, owner: str | None = None) -> Family:
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
+        what = repr(model_type) if owner is None else f"{owner} (model type {model_type!r})"
         raise ValueError(
-            f"model_or_model_type: {what} {model_type!r} is not a supported model family; "
-            f"fusetune patches {', '.join(SUPPORTED_FAMILIES)}"
+            f"model_or_model_type: {what} is not a model family fusetune patches; supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
         )
     return family
 
@@ -143,7 +145,7 @@ def _resolve(target: object) -> tuple[Family, type | None, torch.nn.Module | Non
     model, where model is the transformers model inside a PEFT or compile wrapper."""
     pretrained = _pretrained_class()
     if isinstance(target, str):
-        return _family(target, "model type"), None, None
+        return _family(target), None, None
     if isinstance(target, type):
         if not issubclass(target, pretrained):
             raise TypeError(
@@ -151,12 +153,12 @@ def _resolve(target: object) -> tuple[Family, type | None, torch.nn.Module | Non
                 f"PreTrainedModel class or a model instance, got the class {target.__name__}"
             )
         model_type = getattr(target.config_class, "model_type", None)
-        return _family(model_type, f"{target.__name__} has model type"), target, None
+        return _family(model_type, target.__name__), target, None
     if isinstance(target, torch.nn.Module):
         inner = next((m for m in target.modules() if isinstance(m, pretrained)), None)
         if inner is not None:
             model_type = getattr(inner.config, "model_type", None)
-            return _family(model_type, f"{type(inner).__name__} has model type"), None, inner
+            return _family(model_type, type(inner).__name__), None, inner
     raise TypeError(
         "model_or_model_type must be a model type string (e.g. 'llama'), a transformers "
         "PreTrainedModel class or a model instance (PEFT-wrapped too), got "
@@ -175,19 +177,32 @@ def _hold_rope(family: Family, holder: torch.nn.Module | None) -> None:
         modeling.apply_rotary_pos_emb = rope_function(family, slot.original)
     if holder is None:
         slot.class_level = True
-    else:
-        slot.holders.add(holder)
+    elif id(holder) not in slot.holders:
+        # a model collected without revert lets go too (kept here, not on the model, so that
+        # deepcopy of a patched model copies no finalizer)
+        finalizer = weakref.finalize(holder, _let_go, family, id(holder))
+        slot.holders[id(holder)] = finalizer
 
 
 def _release_rope(family: Family, holder: torch.nn.Module | None) -> None:
     slot = _ROPE.get(family.model_type)
-    if slot is None or slot.original is None:
+    if slot is None:
         return
     if holder is None:
         slot.class_level = False
     else:
-        slot.holders.discard(holder)
-    if not slot.class_level and len(slot.holders) == 0:
+        finalizer = slot.holders.get(id(holder))
+        if finalizer is not None:
+            finalizer.detach()
+    _let_go(family, None if holder is None else id(holder))
+
+
+def _let_go(family: Family, holder_id: int | None) -> None:
+    slot = _ROPE.get(family.model_type)
+    if slot is None:
+        return
+    slot.holders.pop(holder_id, None)
+    if slot.original is not None and not slot.class_level and not slot.holders:
         family.modeling.apply_rotary_pos_emb = slot.original
         slot.original = None
 
@@ -265,8 +280,8 @@ def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str
             _install(module, mlp_forward(family, _instance_forward(module)))
     if options["linear_cross_entropy"] and lm is not None and isinstance(model, lm):
         _install(model, causal_lm_forward(family, _instance_forward(model)))
-    if options["rope"] and not state.rope:
-        _hold_rope(family, model)
+    if options["rope"]:
+        _hold_rope(family, model)  # once per model (a deepcopy of a patched one holds anew)
         state.rope = True
     setattr(model, _STATE, state)
 
