@@ -303,8 +303,9 @@ def _verify_max_batch(model, estimate: int, seq_len: int, vocab: int, device, ba
     return {"max_batch_verified": None, "max_batch_oom_at": tried}
 
 
-def _profile(step: Callable[[], torch.Tensor], top: int = 15) -> list[dict[str, Any]]:
-    """CUDA time per kernel name over one step, the largest first."""
+def _profile(step: Callable[[], torch.Tensor], top: int = 15) -> dict[str, Any]:
+    """CUDA time of one step: per kind of kernel (matmul, attention, optimizer, PyTorch
+    elementwise, Triton, copies) and the ``top`` kernels by name."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -312,15 +313,35 @@ def _profile(step: Callable[[], torch.Tensor], top: int = 15) -> list[dict[str, 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    rows = []
+    kernels = []
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "cuda_time_total", 0)
         if device_us > 0:
-            rows.append({"kernel": event.key[:90], "ms": device_us / 1e3, "calls": event.count})
-    rows.sort(key=lambda r: -r["ms"])
-    return rows[:top]
+            kernels.append({"kernel": event.key[:100], "ms": device_us / 1e3, "calls": event.count})
+    kernels.sort(key=lambda r: -r["ms"])
+    kinds: dict[str, float] = {}
+    for kernel in kernels:
+        kind = kernel_kind(kernel["kernel"])
+        kinds[kind] = kinds.get(kind, 0.0) + kernel["ms"]
+    return {"kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": kernels[:top]}
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's kind, from its name (cuBLAS on Hopper: nvjet / sm90 xmma / cutlass)."""
+    lower = name.lower()
+    kinds = (
+        ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk")),
+        ("attention", ("flash", "fmha", "attention", "sdpa")),
+        ("optimizer", ("adam", "multi_tensor", "foreach")),
+        ("copy", ("memcpy", "memset")),
+        ("pytorch", ("at::", "elementwise", "reduce_kernel", "void ")),
+    )
+    for kind, needles in kinds:
+        if any(needle in lower for needle in needles):
+            return kind
+    return "triton"
 
 
 # ----------------------------------------------------------------------------- runner
@@ -337,20 +358,34 @@ def _worker(spec: str) -> int:
     return 0
 
 
-def _run_isolated(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _run_isolated(job: dict[str, Any], timeout_s: float, log: Path | None = None) -> dict[str, Any]:
+    """Run one variant in a fresh interpreter; its stdout and stderr go to ``log``."""
     command = [sys.executable, "-m", "fusetune.bench.cases_e2e", "--worker", json.dumps(job)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
         )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    for line in done.stdout.splitlines():
+        stdout, stderr = done.stdout, done.stderr
+        failure = f"exit status {done.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr = _text(exc.stdout), _text(exc.stderr)
+        failure = f"timed out after {timeout_s:.0f} s"
+    if log is not None:
+        log.write_text(f"$ {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
+    for line in stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG) :])
-    tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    return {"error": tail[-1][:200] if tail else f"exit status {done.returncode}"}
+    tail = [line for line in stderr.strip().splitlines() if line.strip()]
+    if failure.startswith("timed out") or not tail:
+        return {"error": failure}
+    return {"error": tail[-1][:200]}
+
+
+def _text(output: str | bytes | None) -> str:
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def _run_in_process(job: dict[str, Any]) -> dict[str, Any]:
@@ -367,7 +402,11 @@ def _run_in_process(job: dict[str, Any]) -> dict[str, Any]:
         gc.collect()
 
 
-def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_e2e(
+    args: argparse.Namespace, on_row: Callable[[list[dict[str, Any]]], None] | None = None
+) -> list[dict[str, Any]]:
+    """Every shape x variant; ``on_row(rows)`` after each (so a run cut off by a time limit
+    keeps what it measured)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type != "cuda"
     isolate = device.type == "cuda" and not args.in_process
@@ -395,10 +434,16 @@ def run_e2e(args: argparse.Namespace) -> list[dict[str, Any]]:
                 warmup=args.warmup,
             )
             print(f"[e2e] {shape.name} b{batch} | {variant} ...", file=sys.stderr, flush=True)
-            result = _run_isolated(job, args.timeout) if isolate else _run_in_process(job)
+            if isolate:
+                log = Path(args.out) / f"worker-{key}-{variant.replace('+', '-')}.log"
+                result = _run_isolated(job, args.timeout, log)
+            else:
+                result = _run_in_process(job)
             row.update({k: v for k, v in result.items() if k != "shape"})
             print(f"[e2e] {shape.name} b{batch} | {variant} = {_brief(row)}", file=sys.stderr)
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -502,34 +547,37 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
     args.shapes = _choices(args.shapes, SHAPES, "--shapes")
     args.variants = _choices(args.variants, VARIANTS, "--variants")
-    rows = run_e2e(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device, quick=device.type != "cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        (out / "e2e.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+
+    rows = run_e2e(args, on_row=save)
     where = env["gpu"] or "CPU smoke run (tiny configs)"
     title = (
         f"e2e: one LoRA step (fwd + bwd + AdamW), r={RANK} on all linear layers, bf16 base, "
         f"fp32 adapters, sdpa | {where} | {_versions()} | {env['date']}"
     )
-    table = format_e2e(rows)
-    print(table)
-    print(title)
-    for row in rows:
-        for line in _profile_lines(row):
-            print(line)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
-    (out / "e2e.txt").write_text(table + "\n" + title + "\n")
+    profiles = [line for row in rows for line in _profile_lines(row)]
+    text = "\n".join([format_e2e(rows), title, *profiles])
+    print(text)
+    save(rows)
+    (out / "e2e.txt").write_text(text + "\n")
     print(f"wrote {out / 'e2e.json'} and {out / 'e2e.txt'}")
     failed = [r for r in rows if r["variant"] == "hf+peft+fusetune" and r.get("error")]
     return 1 if failed else 0
 
 
 def _profile_lines(row: dict[str, Any]) -> list[str]:
-    if not row.get("profile"):
+    profile = row.get("profile")
+    if not profile:
         return []
-    lines = [f"profile {row['shape']} b{row['batch']} {row['variant']} (CUDA ms, calls):"]
-    lines += [f"  {p['ms']:8.2f} {p['calls']:5d}  {p['kernel']}" for p in row["profile"]]
+    kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in profile["kinds_ms"].items())
+    lines = [f"profile {row['shape']} b{row['batch']} {row['variant']}: CUDA ms by kind: {kinds}"]
+    lines += [f"  {p['ms']:8.2f} {p['calls']:5d}  {p['kernel']}" for p in profile["top"]]
     return lines
 
 
