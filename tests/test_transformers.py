@@ -200,9 +200,9 @@ def test_training_bf16_autocast_as_close_as_transformers(family):
     assert max(ours.values()) <= 2 * max(theirs.values()) + 0.01, (ours, theirs)
 
 
-def lora_model(family: str):
+def lora_model(family: str, **overrides):
     model = peft.get_peft_model(
-        tiny_model(family),
+        tiny_model(family, **overrides),
         peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"),
     )
     generator = torch.Generator().manual_seed(2)
@@ -257,14 +257,15 @@ def test_gradient_checkpointing():
 
 
 def test_torch_compile_of_the_patched_model():
-    """torch.compile of the patched model (aot_eager on the CPU: traces the fake kernels
-    and the autograd registrations; Inductor on the GPU) trains as the eager one does."""
+    """torch.compile(fullgraph=True) of the patched model (no graph break; aot_eager on the
+    CPU: traces the fake kernels and the autograd registrations; Inductor on the GPU) trains
+    as the eager one does."""
     model = fusetune.apply(tiny_model("llama", num_hidden_layers=1))
     batches = make_batches(2)
     want = train(copy.deepcopy(model), batches)
     backend = "inductor" if ON_GPU else "aot_eager"
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     got = train(model, batches, compiled=compiled)
     assert_same_training(got, want)
     fusetune.revert(model)
