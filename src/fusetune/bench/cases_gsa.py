@@ -1,13 +1,15 @@
 """Benchmark cases for fusetune.gated_slot_attention: bf16, forward + backward.
 
 Providers: fusetune (chunk mode), fusetune-recurrent (the token-by-token kernels; off by
-default, slow at these lengths: set with_recurrent), FLA's chunk_gsa (fla-core) when importable,
-and for scale torch's causal scaled_dot_product_attention (flash) on the same B, T, H, D.
+default, slow at these lengths: set with_recurrent), FLA's chunk_gsa (fla-core) when importable
+(on the varlen case only with GSA_BENCH_FLA_VARLEN=1), and for scale torch's causal
+scaled_dot_product_attention (flash) on the same B, T, H, D.
 Inputs as a GSA layer makes them: g = logsigmoid(f) / 8, s = 1 - exp(g).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -81,7 +83,10 @@ def _make(batch: int, lengths: list[int] | None, seq_len: int, with_recurrent: b
                 grad_out,
             )
         if device.type == "cuda":
-            chunk_gsa = _fla_chunk_gsa()
+            # FLA's varlen kernels autotune for minutes on a fresh machine (past a GPU pass's
+            # limit): its varlen row is opt-in, GSA_BENCH_FLA_VARLEN=1.
+            fla_wanted = lengths is None or os.environ.get("GSA_BENCH_FLA_VARLEN") == "1"
+            chunk_gsa = _fla_chunk_gsa() if fla_wanted else None
             if chunk_gsa is not None:
                 fla_cu = None if cu is None else cu.long()
                 providers["fla"] = _step(

@@ -46,7 +46,8 @@ NUM_WARPS = {"states": 4, "dstates": 4, "fwd": 4, "bwd_a": 4, "bwd_b": 4}
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
-    return dict(BT=SUB_CHUNK, S=STATE_CHUNK_INTERPRETED if interpreting else STATE_CHUNK)
+    chunk = STATE_CHUNK_INTERPRETED if interpreting else STATE_CHUNK
+    return dict(BT=min(SUB_CHUNK, chunk), S=chunk)
 
 
 # ----------------------------------------------------------------------------- tiles
