@@ -223,7 +223,7 @@ def measure(
     device: torch.device,
     *,
     tiny: bool = False,
-    warmup: int = 2,
+    warmup: int = 4,
     steps: int = 5,
     max_batch: str = "estimate",
     profile: bool = False,
@@ -524,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=None, help="(default: 4 Llama, 8 Qwen)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median; 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (4)")
     parser.add_argument(
         "--max-batch",
         choices=("off", "estimate", "verify"),
