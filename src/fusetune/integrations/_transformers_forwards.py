@@ -158,14 +158,20 @@ def rope_function(family: Family, original: Callable) -> Callable:
 # ----------------------------------------------------------------------------- causal LM
 
 
-def _keep_positions(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    """transformers' slice_logits_to_keep (5.2x), or its inline form (5.17)."""
+def _keep_last(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """transformers 5.17's inline slicing (5.2x has slice_logits_to_keep)."""
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden[:, keep, :]
+
+
+def _keep_positions_function() -> Callable:
+    """Looked up when patching: an import that fails inside a traced forward is a graph
+    break (Dynamo raises on the ImportError)."""
     try:
         from transformers.modeling_utils import slice_logits_to_keep
     except ImportError:
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden[:, keep, :]
-    return slice_logits_to_keep(hidden, logits_to_keep)
+        return _keep_last
+    return slice_logits_to_keep
 
 
 def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -194,6 +200,10 @@ def causal_lm_forward(family: Family, original: Callable) -> Callable:
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
     ]
 
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    keep_positions = _keep_positions_function()
+
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         if len(args) > len(names):
@@ -204,7 +214,9 @@ def causal_lm_forward(family: Family, original: Callable) -> Callable:
         head = plain_head(self)
         if kwargs.get("labels") is None or not wanted or head is None:
             return original(self, **kwargs)
-        return _fused_loss_forward(family, self, head, **kwargs)
+        return _fused_loss_forward(
+            family, self, head, keep_positions, CausalLMOutputWithPast, **kwargs
+        )
 
     return forward
 
@@ -213,6 +225,8 @@ def _fused_loss_forward(
     family: Family,
     model,
     head: torch.nn.Linear,
+    keep_positions: Callable,
+    output_class: type,
     labels: torch.Tensor,
     logits_to_keep=0,
     return_dict: bool | None = None,
@@ -222,10 +236,8 @@ def _fused_loss_forward(
     loss. Like transformers, every other keyword goes to the base model and to the loss
     (num_items_in_batch: sum / num_items for gradient accumulation; shift_labels: labels
     already shifted; ignore_index)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     outputs = getattr(model, model.base_model_prefix)(**kwargs)
-    hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
+    hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
     shift_labels = kwargs.get("shift_labels")
     targets = labels if shift_labels is None else shift_labels
     loss = linear_cross_entropy(
@@ -239,7 +251,7 @@ def _fused_loss_forward(
         logit_scale=getattr(model, family.logit_scale) if family.logit_scale else None,
         num_items=kwargs.get("num_items_in_batch"),
     )
-    output = CausalLMOutputWithPast(
+    output = output_class(
         loss=loss,
         logits=None,
         past_key_values=outputs.past_key_values,
