@@ -1,7 +1,7 @@
-"""``python -m fusetune COMMAND``: the command-line entry point.
+"""python -m fusetune COMMAND: the command-line entry point.
 
-Commands: ``finetune`` (supervised fine-tuning with fusetune applied) and ``bench`` (time ops,
-and ``bench e2e`` whole LoRA training steps, next to their peers).
+Commands: finetune (supervised fine-tuning with fusetune applied) and bench (time ops, and
+'bench e2e' whole LoRA training steps, next to their peers).
 """
 
 from __future__ import annotations
