@@ -11,6 +11,8 @@ family in bf16 and with LoRA as well."""
 from __future__ import annotations
 
 import copy
+import inspect
+import types
 import warnings
 
 import pytest
@@ -346,6 +348,8 @@ def test_revert_restores_exactly_and_apply_is_idempotent():
     forwards_before = instance_forwards(model)
 
     fusetune.apply(model, rope=False)
+    parameters = inspect.signature(model.forward).parameters  # what Trainer and generate see
+    assert {"input_ids", "labels", "logits_to_keep", "kwargs"} <= set(parameters)
     names = integration.patched(model)
     fusetune.apply(model, rope=False)
     assert integration.patched(model) == names
@@ -360,6 +364,22 @@ def test_revert_restores_exactly_and_apply_is_idempotent():
     assert modeling.apply_rotary_pos_emb is rope_before
     assert integration.patched(model) == []
     assert torch.equal(model(input_ids=ids, labels=labels).loss, before)
+
+
+def test_revert_keeps_a_wrapper_set_after_apply():
+    """accelerate wraps the model's forward (autocast for Trainer's bf16/fp16) after apply:
+    revert keeps that wrapper, and the fusetune forward inside it hands over to
+    transformers' own."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    fusetune.apply(model, rope=False)
+    inner = model.forward.__func__
+    model.forward = types.MethodType(lambda self, **kwargs: inner(self, **kwargs), model)
+    wrapper = model.forward
+    ids, labels = make_batches(1)[0]
+    assert model(input_ids=ids, labels=labels).logits is None  # fused
+    fusetune.revert(model)
+    assert model.forward is wrapper
+    assert model(input_ids=ids, labels=labels).logits is not None  # transformers' path
 
 
 def test_class_level_patching_before_construction(fused_calls):

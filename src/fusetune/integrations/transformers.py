@@ -29,6 +29,7 @@ What is routed, per family (``SUPPORTED_FAMILIES``; transformers 5.x):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import warnings
@@ -66,6 +67,7 @@ _version_warned = False
 class _Patch:
     original: Callable | None  # the instance-level forward before patching, if there was one
     had_instance_forward: bool
+    installed: Callable  # the bound forward apply set (revert leaves a wrapper around it)
 
 
 @dataclass
@@ -242,12 +244,26 @@ def _revert_classes(family: Family) -> None:
 # ----------------------------------------------------------------------------- instance level
 
 
-def _install(module: torch.nn.Module, forward: Callable) -> None:
+def _install(module: torch.nn.Module, make_forward: Callable[[Callable], Callable]) -> None:
+    """Give ``module`` the instance forward ``make_forward(original)``, guarded: once
+    reverted it hands every call to the original, so a wrapper set around it after apply
+    (accelerate wraps the model's forward for Trainer's bf16 / fp16) still does the right
+    thing after revert."""
     if hasattr(module, _MARK):
-        return
-    had_instance = "forward" in module.__dict__
-    setattr(module, _MARK, _Patch(module.__dict__.get("forward"), had_instance))
-    module.forward = types.MethodType(forward, module)
+        return  # applying twice is harmless
+    original = _instance_forward(module)
+    patched_forward = make_forward(original)
+
+    @functools.wraps(patched_forward)
+    def guarded(self, *args, **kwargs):
+        if getattr(self, _MARK, None) is None:
+            return original(self, *args, **kwargs)
+        return patched_forward(self, *args, **kwargs)
+
+    had_instance_forward = "forward" in module.__dict__
+    before = module.__dict__.get("forward")
+    module.forward = types.MethodType(guarded, module)
+    setattr(module, _MARK, _Patch(before, had_instance_forward, module.forward))
 
 
 def _instance_forward(module: torch.nn.Module) -> Callable:
@@ -275,11 +291,11 @@ def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str
         if hasattr(module, peft_integration._PATCH):
             continue  # already on fusetune's LoRA path
         if options["rms_norm"] and family.norm_casting and norm and isinstance(module, norm):
-            _install(module, rms_norm_forward(family))
+            _install(module, lambda original: rms_norm_forward(family))
         elif options["mlp"] and mlp and isinstance(module, mlp) and _glu_matches(family, module):
-            _install(module, mlp_forward(family, _instance_forward(module)))
+            _install(module, functools.partial(mlp_forward, family))
     if options["linear_cross_entropy"] and lm is not None and isinstance(model, lm):
-        _install(model, causal_lm_forward(family, _instance_forward(model)))
+        _install(model, functools.partial(causal_lm_forward, family))
     if options["rope"]:
         _hold_rope(family, model)  # once per model (a deepcopy of a patched one holds anew)
         state.rope = True
@@ -305,8 +321,8 @@ def _revert_instance(family: Family, target: torch.nn.Module, model: torch.nn.Mo
         peft_integration.unpatch(target)
     for module in target.modules():
         patch = module.__dict__.pop(_MARK, None)
-        if patch is None:
-            continue
+        if patch is None or module.__dict__.get("forward") is not patch.installed:
+            continue  # not ours, or wrapped since: the guard now calls the original
         if patch.had_instance_forward:
             module.forward = patch.original
         else:
