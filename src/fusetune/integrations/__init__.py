@@ -1,2 +1,4 @@
 """Patching of other libraries' models onto fusetune's ops: :mod:`fusetune.integrations.peft`
-(PEFT LoRA layers). Each submodule imports its library only when used."""
+(PEFT LoRA layers) and :mod:`fusetune.integrations.transformers` (``fusetune.apply``: a
+transformers causal LM's norms, RoPE, MLP, loss and PEFT LoRA layers). Each submodule imports
+its library only when used."""
