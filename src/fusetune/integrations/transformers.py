@@ -55,7 +55,6 @@ __all__ = ["SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS", "apply", "patched", "rev
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 # transformers releases the patches are tested against (CI: the newest, GPU pass: the oldest).
 TESTED_TRANSFORMERS = ("5.17", "5.23")
-OPTIONS = ("rms_norm", "rope", "mlp", "linear_cross_entropy", "lora")
 
 _MARK = "_fusetune_hf_patch"  # on each patched submodule: what revert restores
 _STATE = "_fusetune_hf_state"  # on the patched model
