@@ -1,11 +1,13 @@
 """Registers and spills of the chunked GSA kernels on sm_90, compiled on the CPU (no GPU).
 
-    PYTHONPATH=src python tools/regs_gsa.py [bf16|fp16|fp32] [varlen] [warps=N]
+    PYTHONPATH=src python tools/regs_gsa.py [bf16|fp16|fp32] [varlen] [flags] [warps=N]
 
 Compiles every kernel of ``fusetune.gsa.chunk`` at the benchmark's constants (K = V = M = 64)
 with the library's warps, then prints ptxas's register count and spill bytes per kernel (the
 cubin's resource usage, through the cuobjdump bundled with Triton). A proxy for occupancy: 255
-registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide.
+registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide. With
+``flags`` every optional path is compiled (initial and final states, final-state gradients, the
+exact pass of bwd_b): a compile check of code the benchmark never runs.
 """
 
 from __future__ import annotations
@@ -41,11 +43,9 @@ FP32_POINTERS = {
     "dhv0",
     "dgl_buf",
     "tot_buf",
-    "hk0",
-    "hv0",
     "x_buf",
 }
-INT_POINTERS = {"cu"}
+INT_POINTERS = {"cu", "steep_buf"}
 SIZES = dict(
     BK=64,
     BD=64,
@@ -72,7 +72,22 @@ def signature(fn, dtype: str, flags: dict) -> tuple[dict, dict]:
             sig[name] = "*fp32"
         elif name == "scale":
             sig[name] = "fp32"
-        elif name in ("q", "k", "v", "s", "g", "do", "o", "dq", "dk", "dv", "ds", "dg"):
+        elif name in (
+            "q",
+            "k",
+            "v",
+            "s",
+            "g",
+            "do",
+            "o",
+            "dq",
+            "dk",
+            "dv",
+            "ds",
+            "dg",
+            "hk0",
+            "hv0",
+        ):
             sig[name] = f"*{dtype}"
         else:
             sig[name] = "i32"
@@ -104,6 +119,8 @@ def main() -> None:
     dtype = sys.argv[1] if len(sys.argv) > 1 else "bf16"
     dot = {"bf16": 0, "fp16": 1, "fp32": 2}[dtype]
     flags = dict(DOT=dot, VARLEN="varlen" in sys.argv[2:])
+    if "flags" in sys.argv[2:]:
+        flags.update(HAS_H0=True, STORE_HT=True, HAS_DHT=True, EXACT=True)
     warps = [int(a[6:]) for a in sys.argv[2:] if a.startswith("warps=")]
     for name, fn in chunk.KERNELS.items():
         n_warps = warps[0] if warps else chunk.NUM_WARPS.get(name, 4)

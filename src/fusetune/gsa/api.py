@@ -168,9 +168,10 @@ def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
 # ---------------------------------------------------------------------------- chunk mode
 # Forward, two launches: states (sequential over chunks of S tokens, per block of slots and
 # key/value head) stores every chunk's starting states and the chunk-local gate cumsums; then
-# one program per (block of BT tokens, query head) computes o. Backward, five: states again
+# one program per (block of BT tokens, query head) computes o. Backward, six: states again
 # (recomputed, not kept from the forward), sweep A per block, state gradients in reverse per
-# block of slots and query head, sweep B per chunk, and dg's cross-chunk sums.
+# block of slots and query head, sweep B per chunk (twice: the second pass redoes the chunks
+# with a steep block exactly), and dg's cross-chunk sums.
 
 
 class _ChunkPlan:
@@ -194,11 +195,8 @@ class _ChunkPlan:
                     UPCAST=UPCAST, num_warps=chunk.NUM_WARPS[kernel])
 
     def sequential(self, geom: Geometry, kernel: str) -> dict:
-        """Launch constants of the kernels that walk whole sequences (per side and block of
-        slots; their grid's first axis is 2 * slot_blocks)."""
-        return dict(BD=max(geom.blocks["BK"], geom.blocks["BV"]), VARLEN=geom.varlen,
-                    DOT=geom.dot, UPCAST=UPCAST, num_warps=chunk.NUM_WARPS[kernel],
-                    BMS=self.slot_block, S=self.S)
+        """Launch constants of the kernels that walk whole sequences (per block of slots)."""
+        return dict(**self.common(geom, kernel), BMS=self.slot_block, S=self.S)
 
     def per_chunk(self, geom: Geometry, kernel: str) -> dict:
         return dict(**self.common(geom, kernel), BM=geom.blocks["BM"], **self.const)
@@ -217,11 +215,10 @@ def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=No
     hk_buf = _utils.empty((plan.slots, *hk_shape[1:]), torch.float32, device)
     hv_buf = _utils.empty((plan.slots, *hv_shape[1:]), torch.float32, device)
     gc = _utils.empty((k.shape[0], geom.seq_len, heads, geom.slots), torch.float32, device)
-    f_buf = _utils.empty((2, geom.n_seq, heads, geom.slots) if dht else (0,), torch.float32,
-                         device)
+    f_buf = _utils.empty((geom.n_seq, heads, geom.slots) if dht else (0,), torch.float32, device)
     dummy = hk_buf
     if geom.n_seq * heads:
-        chunk.states_kernel[(2 * plan.slot_blocks, geom.n_seq * heads)](
+        chunk.states_kernel[(plan.slot_blocks, geom.n_seq * heads)](
             k, v, s, g, gc, dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
             hk_buf, hv_buf, *(final or (dummy, dummy)), *(dht or (dummy, dummy)), f_buf,
             dummy if cu is None else cu,
@@ -230,7 +227,7 @@ def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=No
             HAS_H0=hk0 is not None, STORE_HT=final is not None,
             HAS_DHT=dht is not None, **plan.sequential(geom, "states"),
         )
-    return hk_buf, hv_buf, gc, f_buf.sum(0) if dht else f_buf
+    return hk_buf, hv_buf, gc, f_buf
 
 
 def _forward_chunked(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state):
@@ -288,7 +285,7 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     dhv_buf = _utils.empty((plan.slots, hq, geom.slots, geom.value_dim), torch.float32, device)
     dhk0, dhv0 = (_utils.empty(shape, torch.float32, device) for shape in _state_shapes(geom, hq))
     if geom.n_seq * hq:
-        chunk.dstates_kernel[(2 * plan.slot_blocks, geom.n_seq * hq)](
+        chunk.dstates_kernel[(plan.slot_blocks, geom.n_seq * hq)](
             q, gc, do, p_buf, da_buf, *(dht or (dq, dq)), dhk_buf, dhv_buf, dhk0, dhv0, cu_arg,
             *_strides((q, layout), (gc, "BTHD"), (do, layout), (p_buf, "BTHD")), *sizes,
             HAS_DHT=dht is not None, **plan.sequential(geom, "dstates"),
@@ -303,11 +300,14 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     dg = (_utils.empty(_with_heads(g, hq, layout), torch.float32, device) if group > 1
           else _utils.empty(g.shape, g.dtype, device))
     if parallel:
-        chunk.bwd_b_kernel[plan.grid](
-            q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, *grads, dg_local, totals,
-            cu_arg, *io_strides, *_strides((p_buf, "BTHD"), *((x, layout) for x in grads)),
-            *sizes, **plan.per_chunk(geom, "bwd_b"),
-        )
+        steep = _utils.empty((plan.slots, hq), torch.int32, device)  # per chunk
+        for exact in (False, True):  # the second pass redoes the chunks with a steep block
+            chunk.bwd_b_kernel[plan.grid](
+                q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, *grads, dg_local,
+                totals, steep, cu_arg, *io_strides,
+                *_strides((p_buf, "BTHD"), *((x, layout) for x in grads)), *sizes,
+                EXACT=exact, **plan.per_chunk(geom, "bwd_b"),
+            )
         chunk.dg_kernel[plan.grid](
             dg_local, totals, f_buf if dht else dq, dg, cu_arg,
             *_strides((dg_local, "BTHD"), (dg, layout)), geom.seq_len, hq, group, geom.slots,

@@ -10,8 +10,11 @@ of BT = 16 tokens and work in [BT, D] tiles (few registers, many programs):
   - a pair of blocks (rows i of a later block, columns j of an earlier one) factorises the decay
     through the cumsum r at the boundary between them: exp(G_i - G_j) = exp(G_i - r) exp(r - G_j),
     both factors <= 1, so the pair is two matmuls and no gate however negative overflows;
-  - a diagonal block forms the exact decay W[i, j, m] = exp(G_i - G_j) (i >= j, else 0) one column
-    j at a time, a [BT, M] tile.
+  - a diagonal block is one more such pair through the same r, its products masked to i >= j;
+    one factor then exceeds 1, by at most exp(its gate drop), so a block whose gates drop by more
+    than FAST_DROP = 60 (a reset: gates near -1e4 or -inf) instead forms the exact decay
+    W[i, j, m] = exp(G_i - G_j) (i >= j, else 0) one column j at a time, a [BT, M] tile (sweep B
+    does that in a second pass over the chunks that need it, see ``bwd_b_kernel``).
 
 Per row block (scale folded in; A = q k^T; rows i, columns j; H0 the chunk-start states):
     a  = e * (q @ Hk0) + sum_j A[i, j] s_j W[i, j]              p = softmax(a)
@@ -32,6 +35,7 @@ from fusetune.gsa._common import (
     mm,
     mm_inputs,
     sequence_bounds,
+    store_states,
 )
 
 SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
@@ -39,8 +43,8 @@ SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
 # Smaller under the interpreter so tests cross chunk boundaries.
 STATE_CHUNK, STATE_CHUNK_INTERPRETED = 64, 32
 SLOT_BLOCK = 16  # BMS: slots per program of the sequential state kernels (more programs)
-# Warps per kernel. Timed on the H100 (tools/tune_gsa.py, 2026-11-23): 4 everywhere beat the
-# library's 8/8/4/8/8 by 8.6 -> 5.9 ms, though ptxas reports more spill at 4 (two CTAs of 4
+# Warps per kernel. Timed on the H100 (tools/tune_gsa.py, 2026-11-23): 4 everywhere beat 8 for
+# every kernel, in both designs measured, though ptxas reports more spill at 4 (two CTAs of 4
 # warps per SM keep as many warps resident as one of 8, with cheaper block-wide exchanges).
 NUM_WARPS = {"states": 4, "dstates": 4, "fwd": 4, "bwd_a": 4, "bwd_b": 4}
 
@@ -141,126 +145,102 @@ def _ref_row(gc, t, sc_t, cm, mm_, lo, hi):
 
 
 # ----------------------------------------------------------------------------- state passing
-# The sequential kernels run one program per (side, block of BMS slots, sequence x head): side 0
-# carries the slots' columns of the key state Hk [K, M], side 1 the rows of the value state
-# Hv [M, V] (or their gradients). Each side holds its part as X [BMS, D] (Hk transposed) and
-# updates it as X = X * decay + W^T @ Y, twice the programs of carrying both states together.
-
-
-@triton.jit
-def _side(side, K, V, M):
-    """(D, stride of a slot, stride of a feature) of side ``side``'s states in memory: Hk [K, M]
-    holds (m, d) at d * M + m, Hv [M, V] at m * V + d."""
-    return K + side * (V - K), 1 + side * (V - 1), M + side * (1 - M)
-
-
-@triton.jit
-def _part(ptr, state, cm, cd, D, M, stride_m, stride_d):
-    """Pointers and mask of a program's [BMS, BD] part of state ``state`` (M * D values each)."""
-    ptrs = ptr + state * M * D + cm[:, None] * stride_m + cd[None, :] * stride_d
-    return ptrs, (cm[:, None] < M) & (cd[None, :] < D)
 
 
 @triton.jit
 def states_kernel(
     k, v, s, g, gc, hk0, hv0, hk_buf, hv_buf, hkT, hvT, dhkT, dhvT, f_buf, cu,
     sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h, sc_b, sc_t, sc_h,
-    T, H, K, V, M, NT, BD: tl.constexpr, BMS: tl.constexpr, S: tl.constexpr,
+    T, H, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr, S: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
     DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Walk the chunks of S tokens, X = X * exp(G_last) + (s exp(G_last - G))^T @ Y with Y = k
-    (side 0) or v (side 1); store each chunk's starting states (fp32), the final states, and with
-    HAS_DHT the final-state term of dg per side, sum_d dX_T * X_T [2, N x H, M]. Side 0 also
-    stores the chunk-local gate cumsum that every later kernel reads."""
-    side, i_m = tl.program_id(0) % 2, tl.program_id(0) // 2
-    pid = tl.program_id(1).to(tl.int64)
+    """Per (block of BMS slots, sequence x key/value head): walk the chunks of S tokens carrying
+    the slots' columns of Hk and rows of Hv; store each chunk's starting states (fp32), the
+    chunk-local gate cumsum, the final states, and with HAS_DHT the final-state term of dg,
+    sum_k dHk_T * Hk_T + sum_v dHv_T * Hv_T, per slot."""
+    i_m, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // H, pid % H
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    cd, cm = tl.arange(0, BD), i_m * BMS + tl.arange(0, BMS)
-    mm_ = cm < M
-    D, stride_m, stride_d = _side(side, K, V, M)
-    if side == 0:
-        y, buf, h0, hT, dhT = k + i_b * sk_b + i_h * sk_h, hk_buf, hk0, hkT, dhkT
-    else:
-        y, buf, h0, hT, dhT = v + i_b * sv_b + i_h * sv_h, hv_buf, hv0, hvT, dhvT
-    sy_t = sk_t + side * (sv_t - sk_t)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), i_m * BMS + tl.arange(0, BMS)
+    mk, mv, mm_ = ck < K, cv < V, cm < M
+    k += i_b * sk_b + i_h * sk_h
+    v += i_b * sv_b + i_h * sv_h
     s += i_b * ss_b + i_h * ss_h
     g += i_b * sg_b + i_h * sg_h
     gc += i_b * sc_b + i_h * sc_h
-    x = tl.zeros([BMS, BD], dtype=tl.float32)
+    hk = tl.zeros([BK, BMS], dtype=tl.float32)
+    hv = tl.zeros([BMS, BV], dtype=tl.float32)
     if HAS_H0:
-        ptrs, mask = _part(h0, pid, cm, cd, D, M, stride_m, stride_d)
-        x += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        hk += load_hk(hk0, pid, ck, cm, mk, mm_, K, M)
+        hv += load_hv(hv0, pid, cv, cm, mv, mm_, V, M)
     for c in range(0, tl.cdiv(eos - bos, S)):
-        ptrs, mask = _part(buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, cm, cd, D, M,
-                           stride_m, stride_d)
-        tl.store(ptrs, x, mask=mask)
+        store_states(hk_buf, hv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, hk, hv,
+                      ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
         gate = load_gate(g + rows[:, None] * sg_t + cm[None, :], mt[:, None] & mm_[None, :])
         gcum = tl.cumsum(gate, axis=0)
-        _store(gc, rows, sc_t, mt & (rows * 0 + side == 0), cm, mm_, gcum)  # once
+        _store(gc, rows, sc_t, mt, cm, mm_, gcum)
         last = tl.sum(gate, axis=0)
         sd = _tile(s, rows, ss_t, mt, cm, mm_) * tl.exp(last[None, :] - gcum)
-        x = x * tl.exp(last)[:, None] + mm(tl.trans(sd), _tile(y, rows, sy_t, mt, cd, cd < D),
-                                           DOT, UPCAST)
+        decay = tl.exp(last)
+        hk = hk * decay[None, :] + mm(tl.trans(_tile(k, rows, sk_t, mt, ck, mk)), sd, DOT, UPCAST)
+        hv = hv * decay[:, None] + mm(tl.trans(sd), _tile(v, rows, sv_t, mt, cv, mv), DOT, UPCAST)
     if STORE_HT:
-        ptrs, mask = _part(hT, pid, cm, cd, D, M, stride_m, stride_d)
-        tl.store(ptrs, x, mask=mask)
+        store_states(hkT, hvT, pid, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
     if HAS_DHT:
-        ptrs, mask = _part(dhT, pid, cm, cd, D, M, stride_m, stride_d)
-        final = tl.sum(tl.load(ptrs, mask=mask, other=0.0) * x, axis=1)
-        tl.store(f_buf + (side * tl.num_programs(1) + pid) * M + cm, final, mask=mm_)
+        final = (tl.sum(load_hk(dhkT, pid, ck, cm, mk, mm_, K, M) * hk, axis=0)
+                 + tl.sum(load_hv(dhvT, pid, cv, cm, mv, mm_, V, M) * hv, axis=1))
+        tl.store(f_buf + pid * M + cm, final, mask=mm_)
 
 
 @triton.jit
 def dstates_kernel(
     q, gc, do, p_buf, da_buf, dhkT, dhvT, dhk_buf, dhv_buf, dhk0, dhv0, cu,
     sq_b, sq_t, sq_h, sc_b, sc_t, sc_h, sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, scale, T, HQ,
-    GROUP: tl.constexpr, K, V, M, NT, BD: tl.constexpr, BMS: tl.constexpr,
+    GROUP: tl.constexpr, K, V, M, NT, BK: tl.constexpr, BV: tl.constexpr, BMS: tl.constexpr,
     S: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Chunks in reverse: store the gradients w.r.t. each chunk's end states that come from
-    later tokens (and the final-state gradient), carried as dX = dX * exp(G_last) + c (w e)^T @ Y
-    with (w, Y, c) = (da, q, scale) for side 0 (dHk) and (p, do, 1) for side 1 (dHv); the rest
-    is dh0."""
-    side, i_m = tl.program_id(0) % 2, tl.program_id(0) // 2
-    pid = tl.program_id(1).to(tl.int64)
+    """Per (block of BMS slots, sequence x query head), chunks in reverse: store the gradients
+    w.r.t. each chunk's end states that come from later tokens (and the final-state gradient),
+    carried as dH = dH * exp(G_last) + q^T (da e) scale (resp. (p e)^T do); the rest is dh0."""
+    i_m, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    cd, cm = tl.arange(0, BD), i_m * BMS + tl.arange(0, BMS)
-    mm_ = cm < M
-    D, stride_m, stride_d = _side(side, K, V, M)
-    w_off = i_b * sw_b + i_hq * sw_h
-    if side == 0:
-        y, w, buf, dhT, dh0 = q + i_b * sq_b + i_hq * sq_h, da_buf + w_off, dhk_buf, dhkT, dhk0
-    else:
-        y, w, buf, dhT, dh0 = do + i_b * sdo_b + i_hq * sdo_h, p_buf + w_off, dhv_buf, dhvT, dhv0
-    sy_t = sq_t + side * (sdo_t - sq_t)
-    factor = tl.where(side == 0, scale, 1.0)
+    ck, cv, cm = tl.arange(0, BK), tl.arange(0, BV), i_m * BMS + tl.arange(0, BMS)
+    mk, mv, mm_ = ck < K, cv < V, cm < M
+    q += i_b * sq_b + i_hq * sq_h
     gc += i_b * sc_b + i_h * sc_h
-    x = tl.zeros([BMS, BD], dtype=tl.float32)
+    do += i_b * sdo_b + i_hq * sdo_h
+    w_off = i_b * sw_b + i_hq * sw_h
+    p_buf += w_off
+    da_buf += w_off
+    dhk = tl.zeros([BK, BMS], dtype=tl.float32)
+    dhv = tl.zeros([BMS, BV], dtype=tl.float32)
     if HAS_DHT:
         if i_hq % GROUP == 0:  # the final-state gradient counts once per key/value head
-            ptrs, mask = _part(dhT, i_n * (HQ // GROUP) + i_h, cm, cd, D, M, stride_m, stride_d)
-            x += tl.load(ptrs, mask=mask, other=0.0)
+            state = i_n * (HQ // GROUP) + i_h
+            dhk += load_hk(dhkT, state, ck, cm, mk, mm_, K, M)
+            dhv += load_hv(dhvT, state, cv, cm, mv, mm_, V, M)
     n_chunks = tl.cdiv(eos - bos, S)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        ptrs, mask = _part(buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, cm, cd, D, M,
-                           stride_m, stride_d)
-        tl.store(ptrs, x, mask=mask)
+        store_states(dhk_buf, dhv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, dhk, dhv,
+                      ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
-        we = _tile(w, rows, sw_t, mt, cm, mm_) * _decay(_tile(gc, rows, sc_t, mt, cm, mm_), mt)
+        e = _decay(_tile(gc, rows, sc_t, mt, cm, mm_), mt)
         decay = tl.exp(_row(gc, tl.minimum(bos + c * S + S, eos) - 1, sc_t, cm, mm_))
-        x = x * decay[:, None] + mm(tl.trans(we), _tile(y, rows, sy_t, mt, cd, cd < D), DOT,
-                                    UPCAST) * factor
-    ptrs, mask = _part(dh0, pid, cm, cd, D, M, stride_m, stride_d)
-    tl.store(ptrs, x, mask=mask)
+        da = _tile(da_buf, rows, sw_t, mt, cm, mm_) * e
+        dhk = dhk * decay[None, :] + mm(tl.trans(_tile(q, rows, sq_t, mt, ck, mk)), da, DOT,
+                                        UPCAST) * scale
+        pe = _tile(p_buf, rows, sw_t, mt, cm, mm_) * e
+        dhv = dhv * decay[:, None] + mm(tl.trans(pe), _tile(do, rows, sdo_t, mt, cv, mv), DOT,
+                                        UPCAST)
+    store_states(dhk0, dhv0, pid, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
 
 
 # ----------------------------------------------------------------------------- per block
@@ -482,23 +462,32 @@ def bwd_a_kernel(
 
 @triton.jit
 def bwd_b_kernel(
-    q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, dk, dv, ds, dgl_buf, tot_buf, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sc_b, sc_t, sc_h,
-    sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
-    sds_b, sds_t, sds_h, scale, T, HQ, GROUP: tl.constexpr, K, V, M, NT,
+    q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, dk, dv, ds, dgl_buf, tot_buf,
+    steep_buf, cu, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h,
+    sc_b, sc_t, sc_h, sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, sdk_b, sdk_t, sdk_h,
+    sdv_b, sdv_t, sdv_h, sds_b, sds_t, sds_h, scale, T, HQ, GROUP: tl.constexpr, K, V, M, NT,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, S: tl.constexpr,
-    VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Sweep B per (chunk, sequence x query head), its blocks j in reverse: dk, dv, ds from the
     chunk-end state gradients and the block pairs (rows j, columns i of the same or a later block
     of the chunk, through the cumsum ref at block j's last token); dg within the chunk (fp32;
-    dg_kernel adds what later chunks contribute, from each chunk's total stored here)."""
+    dg_kernel adds what later chunks contribute, from each chunk's total stored here).
+    Launched twice. EXACT=False has no decay-column code (inline, it cost bwd_b a third of its
+    time on the H100 through register pressure, steep blocks or not): it leaves out the diagonal
+    of a steep block, so that chunk's outputs are wrong, and stores each chunk's count of steep
+    blocks. EXACT=True then redoes exactly the chunks with a count > 0, overwriting all their
+    outputs, and returns at once for the others."""
     c, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hq = pid // HQ, pid % HQ
     i_h = i_hq // GROUP
     i_b, eos, c0, c_end, slot = _chunk_span(cu, i_n, c, T, S, NT, VARLEN)
     ck, cv, cm, ti = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BM), tl.arange(0, BT)
     mk, mv, mm_ = ck < K, cv < V, cm < M
+    state = slot * HQ + i_hq
+    if EXACT:
+        if tl.load(steep_buf + state) == 0:
+            return
     q += i_b * sq_b + i_hq * sq_h
     k += i_b * sk_b + i_h * sk_h
     v += i_b * sv_b + i_h * sv_h
@@ -512,9 +501,9 @@ def bwd_b_kernel(
     dk += i_b * sdk_b + i_hq * sdk_h
     dv += i_b * sdv_b + i_hq * sdv_h
     ds += i_b * sds_b + i_hq * sds_h
-    state = slot * HQ + i_hq
     g_last = _ref_row(gc, c_end - 1, sc_t, cm, mm_, c0, c_end)
     dg_run = tl.zeros([BM], dtype=tl.float32)
+    n_steep = 0
     n_blocks = tl.cdiv(c_end - c0, BT)
     for i in range(0, n_blocks):
         bj = n_blocks - 1 - i
@@ -537,6 +526,7 @@ def bwd_b_kernel(
         w_j = _decay(ref[None, :] - g_j, mt)
         sw = s_j * w_j
         steep = _steep(g_j, ref, mt)
+        n_steep += steep.to(tl.int32)
         dk_pairs = tl.zeros([BT, BK], dtype=tl.float32)
         dv_pairs = tl.zeros([BT, BV], dtype=tl.float32)
         ds_pairs = tl.zeros([BT, BM], dtype=tl.float32)
@@ -558,19 +548,20 @@ def bwd_b_kernel(
         dk_c += dk_pairs * scale
         dv_c += dv_pairs
         ds_c += w_j * ds_pairs
-        if steep:  # the diagonal block, one decay column at a time
-            n = tl.minimum(c_end - start, BT)
-            q_j = _inputs(q, rows, sq_t, mt, ck, mk)
-            do_j = _inputs(do, rows, sdo_t, mt, cv, mv)
-            p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
-            da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
-            b = _exact_pairs(da, s, gc, g_j, start, ss_t, sc_t, cm, mm_, ti, n, BT)
-            attn = _exact_pairs(p, s, gc, g_j, start, ss_t, sc_t, cm, mm_, ti, n, BT)
-            dk_c += mm(tl.trans(b), q_j, DOT, UPCAST) * scale
-            dv_c += mm(tl.trans(attn), do_j, DOT, UPCAST)
-            qk = mm_inputs(q_j, tl.trans(k_j), DOT, UPCAST) * scale
-            dov = mm_inputs(do_j, tl.trans(v_j), DOT, UPCAST)
-            ds_c = _exact_ds(ds_c, qk, da, dov, p, gc, g_j, start, sc_t, cm, mm_, ti, n)
+        if EXACT:  # the diagonal block of a steep block, one decay column at a time
+            if steep:
+                n = tl.minimum(c_end - start, BT)
+                q_j = _inputs(q, rows, sq_t, mt, ck, mk)
+                do_j = _inputs(do, rows, sdo_t, mt, cv, mv)
+                p = _tile(p_buf, rows, sw_t, mt, cm, mm_)
+                da = _tile(da_buf, rows, sw_t, mt, cm, mm_)
+                b = _exact_pairs(da, s, gc, g_j, start, ss_t, sc_t, cm, mm_, ti, n, BT)
+                attn = _exact_pairs(p, s, gc, g_j, start, ss_t, sc_t, cm, mm_, ti, n, BT)
+                dk_c += mm(tl.trans(b), q_j, DOT, UPCAST) * scale
+                dv_c += mm(tl.trans(attn), do_j, DOT, UPCAST)
+                qk = mm_inputs(q_j, tl.trans(k_j), DOT, UPCAST) * scale
+                dov = mm_inputs(do_j, tl.trans(v_j), DOT, UPCAST)
+                ds_c = _exact_ds(ds_c, qk, da, dov, p, gc, g_j, start, sc_t, cm, mm_, ti, n)
         x = _tile(r_buf + w_off, rows, sw_t, mt, cm, mm_) - s_j * ds_c  # dL/dG per token
         total = tl.sum(x, axis=0)
         dg_c = dg_run[None, :] + total[None, :] - tl.cumsum(x, axis=0) + x
@@ -580,6 +571,8 @@ def bwd_b_kernel(
         _store(ds, rows, sds_t, mt, cm, mm_, ds_c)
         _store(dgl_buf + w_off, rows, sw_t, mt, cm, mm_, dg_c)
     tl.store(tot_buf + state * M + cm, dg_run, mask=mm_ & (cm * 0 + c0 < eos))
+    if not EXACT:
+        tl.store(steep_buf + state, n_steep, mask=c0 < eos)
 
 
 @triton.jit
