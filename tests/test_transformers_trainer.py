@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import fusetune
-from harness import ON_GPU, assert_close, relative_error
+from harness import ON_GPU, assert_close
 from test_transformers import (
     ADAM_EPS,
     FP32_LOSS_TOL,
     FP32_UPDATE_TOL,
     LR,
+    assert_as_close_as_transformers,
     lora_model,
     make_batches,
     tiny_model,
@@ -101,9 +102,4 @@ def test_trainer_mixed_precision_as_close_as_transformers(precision, kind, tmp_p
     exact = trainer_run(copy.deepcopy(model), tmp_path)
     want = trainer_run(copy.deepcopy(model), tmp_path, precision)
     got = trainer_run(model, tmp_path, precision, patch=True)
-    ours, theirs = relative_error(got[0], exact[0]), relative_error(want[0], exact[0])
-    assert ours <= 1.5 * theirs + 1e-3, f"losses: {ours:.3g} vs transformers {theirs:.3g}"
-    ours = {n: relative_error(u, exact[1][n]) for n, u in got[1].items()}
-    theirs = {n: relative_error(u, exact[1][n]) for n, u in want[1].items()}
-    assert sum(ours.values()) <= 1.5 * sum(theirs.values()) + 0.01, (ours, theirs)
-    assert max(ours.values()) <= 2 * max(theirs.values()) + 0.01, (ours, theirs)
+    assert_as_close_as_transformers(got, want, exact)
