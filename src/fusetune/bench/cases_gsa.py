@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from fusetune.bench.harness import Case, register
+from fusetune.bench.harness import Case, backward_step, register
 
 HEAD_DIM, SLOTS, HEADS = 64, 64, 16
 CASES = [  # (name, batch, sequence lengths of each batch row's packed sequences or None, T)
@@ -49,15 +49,6 @@ def _inputs(batch, seq_len, heads, dim, slots, dtype, device):
     return [q, k, v, s, g]
 
 
-def _step(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], grad_out: torch.Tensor):
-    def step() -> None:
-        fn().backward(grad_out)
-        for leaf in leaves:
-            leaf.grad = None
-
-    return step
-
-
 def _make(batch: int, lengths: list[int] | None, seq_len: int, with_recurrent: bool):
     def make(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
         b, t, h, d, m = (batch, seq_len, HEADS, HEAD_DIM, SLOTS)
@@ -72,15 +63,15 @@ def _make(batch: int, lengths: list[int] | None, seq_len: int, with_recurrent: b
             cu = offsets.to(torch.int32 if device.type == "cuda" else torch.int64)
         grad_out = torch.randn(b, t, h, d, device=device, dtype=dtype)
         providers = {
-            "fusetune": _step(
-                lambda: fusetune.gated_slot_attention(*leaves, cu_seqlens=cu), leaves, grad_out
+            "fusetune": backward_step(
+                lambda: fusetune.gated_slot_attention(*leaves, cu_seqlens=cu), [grad_out], leaves
             ),
         }
         if with_recurrent:
-            providers["fusetune-recurrent"] = _step(
+            providers["fusetune-recurrent"] = backward_step(
                 lambda: fusetune.gated_slot_attention(*leaves, cu_seqlens=cu, mode="recurrent"),
+                [grad_out],
                 leaves,
-                grad_out,
             )
         if device.type == "cuda":
             # FLA's varlen kernels autotune for minutes on a fresh machine (past a GPU pass's
@@ -89,14 +80,14 @@ def _make(batch: int, lengths: list[int] | None, seq_len: int, with_recurrent: b
             chunk_gsa = _fla_chunk_gsa() if fla_wanted else None
             if chunk_gsa is not None:
                 fla_cu = None if cu is None else cu.long()
-                providers["fla"] = _step(
-                    lambda: chunk_gsa(*leaves, cu_seqlens=fla_cu)[0], leaves, grad_out
+                providers["fla"] = backward_step(
+                    lambda: chunk_gsa(*leaves, cu_seqlens=fla_cu)[0], [grad_out], leaves
                 )
             if lengths is None:
                 qkv = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in leaves[:3]]
                 sdpa_grad = grad_out.transpose(1, 2).contiguous()
-                providers["sdpa-causal"] = _step(
-                    lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), qkv, sdpa_grad
+                providers["sdpa-causal"] = backward_step(
+                    lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), [sdpa_grad], qkv
                 )
         return providers
 

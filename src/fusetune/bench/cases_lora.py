@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from fusetune.bench.harness import Case, register
+from fusetune.bench.harness import Case, backward_step, register
 
 TOKENS, HIDDEN, INTERMEDIATE, RANK = 8192, 4096, 14336, 16
 KV_OUT = 1024
@@ -101,18 +101,6 @@ def _projection(module, adapters, name, rank):
     return (getattr(module, name).weight, lora_a, lora_b, ALPHA / rank)
 
 
-def _step(run: Callable[[], object], x, grads, leaves, autocast: bool):
-    def step() -> None:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-            outputs = run()
-        outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
-        torch.autograd.backward(outputs, grads[: len(outputs)])
-        for leaf in leaves:
-            leaf.grad = None
-
-    return step
-
-
 def _make(block: str, adapter_dtype: torch.dtype, autocast: bool):
     def make(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
         sizes = _sizes(device)
@@ -140,14 +128,15 @@ def _make(block: str, adapter_dtype: torch.dtype, autocast: bool):
             def ours():
                 return fusetune.lora_qkv(x, *projections.values())
 
-        providers = {"fusetune": _step(ours, x, grads, leaves, autocast)}
+        amp = torch.bfloat16 if autocast else None
+        providers = {"fusetune": backward_step(ours, grads, leaves, amp)}
         if device.type == "cuda":
             peft_module = _peft(base, adapters, rank)
             if peft_module is not None:
-                providers["peft"] = _step(lambda: peft_module(x), x, grads, leaves, autocast)
+                providers["peft"] = backward_step(lambda: peft_module(x), grads, leaves, amp)
                 compiled = torch.compile(peft_module)
-                providers["peft+torch.compile"] = _step(
-                    lambda: compiled(x), x, grads, leaves, autocast
+                providers["peft+torch.compile"] = backward_step(
+                    lambda: compiled(x), grads, leaves, amp
                 )
         return providers
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 import fusetune
-from fusetune.bench.harness import Case, register
+from fusetune.bench.harness import Case, backward_step, register
 
 SHAPES = [(16384, 4096)]
 CPU_SHAPE = (64, 384)
@@ -30,17 +30,6 @@ def _torch_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _torch_add_norm(x, residual, weight):
     new_residual = x + residual
     return _torch_norm(new_residual, weight), new_residual
-
-
-def _step(run: Callable[[], object], grads: list[torch.Tensor], leaves: list[torch.Tensor]):
-    def step() -> None:
-        outputs = run()
-        outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
-        torch.autograd.backward(outputs, grads[: len(outputs)])
-        for leaf in leaves:
-            leaf.grad = None
-
-    return step
 
 
 def _liger(kind: str, hidden: int, device: torch.device):
@@ -70,19 +59,19 @@ def _make(rows: int, hidden: int, add: bool):
             ours = lambda: fusetune.rms_norm(x, weight, EPS)  # noqa: E731
             eager, args = _torch_norm, (x, weight)
         providers = {
-            "fusetune": _step(ours, grads, leaves),
-            "torch": _step(lambda: eager(*args), grads, leaves),
+            "fusetune": backward_step(ours, grads, leaves),
+            "torch": backward_step(lambda: eager(*args), grads, leaves),
         }
         if device.type == "cuda":
             compiled = torch.compile(eager)
-            providers["torch.compile"] = _step(lambda: compiled(*args), grads, leaves)
+            providers["torch.compile"] = backward_step(lambda: compiled(*args), grads, leaves)
             liger = _liger("add" if add else "norm", h, device)
             if liger is not None:
                 with torch.no_grad():
                     liger.weight.copy_(weight)
                 liger_leaves = [x, residual, liger.weight] if add else [x, liger.weight]
                 liger_args = (x, residual) if add else (x,)
-                providers["liger"] = _step(lambda: liger(*liger_args), grads, liger_leaves)
+                providers["liger"] = backward_step(lambda: liger(*liger_args), grads, liger_leaves)
         return providers
 
     return make

@@ -24,7 +24,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -121,6 +121,28 @@ class UnknownOpError(ValueError):
 
 # op -> case name -> Case, in registration order.
 _REGISTRY: dict[str, dict[str, Case]] = {}
+
+
+def backward_step(
+    run: Callable[[], object],
+    grads: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    autocast_dtype: torch.dtype | None = None,
+) -> Callable[[], None]:
+    """A closure by the :class:`Case` rules: ``run()`` (under autocast to ``autocast_dtype`` on
+    the leaves' device when given), backward of its output(s) with ``grads`` (one per output),
+    then every leaf's ``.grad`` cleared."""
+    device_type = leaves[0].device.type
+
+    def step() -> None:
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            outputs = run()
+        outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        torch.autograd.backward(outputs, list(grads[: len(outputs)]))
+        for leaf in leaves:
+            leaf.grad = None
+
+    return step
 
 
 def register(case: Case) -> Case:
