@@ -274,12 +274,18 @@ def test_gate_gradient_with_very_negative_gates():
 def test_chunk_blocks_on_either_side_of_the_fast_drop_limit():
     """A 16-token block whose gates drop by ~55 still takes the factorised diagonal (one factor
     near exp(55)); the next block drops by ~70 and takes the exact decay-column loop (the limit
-    is chunk.FAST_DROP = 60). Both exact in fp32, gradients included."""
+    is chunk.FAST_DROP = 60). Both exact in fp32, gradients included.
+
+    Tolerance x2 for dg: the chunk form gets dg as a reverse running sum of terms that cancel,
+    and their size grows with the drop. On the H100 (tools/gsa_precision.py, one steep block) dg's
+    error is 2-8e-6 at a drop of 10, 1-2e-5 from 55 to 100 on both sides of the limit, up to
+    7e-5 for a reset (1e4); this input (two steep blocks) measured 7.2e-5. Everything else
+    stays within 2e-5 (o 1e-6, the final states 1.9e-5, the other gradients 4e-6)."""
     inputs = make_inputs(batch=1, seq_len=40, q_heads=2, heads=1)
     inputs["g"][:, [2, 9], :, :] = -27.0
     inputs["g"][:, [18, 27], :, 1::2] = -35.0
     inputs["s"] = 1 - inputs["g"].exp()
-    run_check(inputs, torch.float32, "chunk")
+    run_check(inputs, torch.float32, "chunk", tolerance_factor=2)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
