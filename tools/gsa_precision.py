@@ -28,8 +28,10 @@ def errors(drop: float, seed: int, device: str) -> dict[str, float]:
     upstream = [torch.randn_like(o) for o in ref_out]
     torch.autograd.backward(ref_out, upstream)
     torch.autograd.backward(test_out, [u.to(device, torch.float32) for u in upstream])
-    result = {f"out{i}": relative_error(o.detach().double().cpu(), r.detach())
-              for i, (o, r) in enumerate(zip(test_out, ref_out, strict=True))}
+    result = {
+        f"out{i}": relative_error(o.detach().double().cpu(), r.detach())
+        for i, (o, r) in enumerate(zip(test_out, ref_out, strict=True))
+    }
     result |= {n: relative_error(test[n].grad.double().cpu(), ref[n].grad) for n in ref}
     return result
 
@@ -42,8 +44,9 @@ def main() -> None:
             row = errors(drop, seed, device)
             worst = max(row, key=row.get)
             cells = " ".join(f"{n}={e:.1e}" for n, e in row.items())
-            print(f"drop {drop:>7g} seed {seed}: worst {worst} {row[worst]:.2e} | {cells}",
-                  flush=True)
+            print(
+                f"drop {drop:>7g} seed {seed}: worst {worst} {row[worst]:.2e} | {cells}", flush=True
+            )
 
 
 if __name__ == "__main__":
