@@ -258,3 +258,73 @@ def test_qkv_results_are_handed_out_only_for_the_same_input():
     model.q_proj(x)
     assert_close("k", model.k_proj(other), want_other, 1e-5)  # another input: its own result
     integration.unpatch(model)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention, self.mlp = Attention(), MLP()
+
+    def forward(self, x):
+        return self.mlp(self.attention(x))
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if integration.is_lora_layer(m)]
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
+def test_routing_follows_adapter_state_changes_after_the_first_forward(monkeypatch):
+    """The qualification is cached per layer: switching the active adapter, disabling,
+    merging, a new scaling, a replaced adapter tensor or an unfrozen base after the first
+    forward route each call (fused op or PEFT) and compute it exactly as PEFT does."""
+    model = with_lora(Block(), FP32, FP32, ALL_TARGETS)
+    other = peft.LoraConfig(r=2, lora_alpha=3, target_modules=ALL_TARGETS, lora_dropout=0.0)
+    model = peft.inject_adapter_in_model(other, model, adapter_name="other")
+    for name, param in model.named_parameters():
+        if "lora_" in name and ".other." in name:
+            param.data = torch.randn_like(param) * 0.3
+    for layer in lora_layers(model):
+        layer.set_adapter("default")
+    reference = copy.deepcopy(model)  # never patched: PEFT's own forwards
+    fused = {"linear": 0, "qkv": 0, "mlp": 0}
+    for kind in fused:
+        op = getattr(integration, f"lora_{kind}_validated")
+
+        def spy(*args, _op=op, _kind=kind):
+            fused[_kind] += 1
+            return _op(*args)
+
+        monkeypatch.setattr(integration, f"lora_{kind}_validated", spy)
+    integration.apply(model)
+    x = torch.randn(3, 24, device=DEVICE)
+
+    def check(change, routed):
+        for each in (model, reference):
+            change(each)
+        fused.update(linear=0, qkv=0, mlp=0)
+        assert_close("output", model(x), reference(x), 1e-5)
+        want = routed if isinstance(routed, dict) else dict(linear=routed, qkv=routed, mlp=routed)
+        assert fused == want, fused
+
+    def for_layers(method, *args):
+        return lambda each: [getattr(layer, method)(*args) for layer in lora_layers(each)]
+
+    check(lambda each: None, 1)  # fills the cache
+    check(lambda each: None, 1)  # from the cache
+    check(for_layers("set_adapter", "other"), 1)
+    check(for_layers("enable_adapters", False), 0)
+    check(for_layers("enable_adapters", True), 1)
+    check(for_layers("merge"), 0)
+    check(for_layers("unmerge"), 1)
+    check(for_layers("set_scale", "other", 0.5), 1)
+
+    def new_b(each):
+        torch.manual_seed(1)
+        b = each.mlp.down_proj.lora_B["other"]
+        b.weight = torch.nn.Parameter(torch.randn_like(b.weight))
+
+    check(new_b, 1)
+    with pytest.warns(UserWarning, match="trainable"):
+        unfreeze = lambda each: each.attention.o_proj.base_layer.weight.requires_grad_(True)
+        check(unfreeze, dict(linear=0, qkv=1, mlp=1))

@@ -18,8 +18,11 @@ Gemma layers name them):
 A LoRA layer qualifies with one active adapter, lora_dropout == 0, no DoRA (or other LoRA
 variant), no LoRA bias, a frozen nn.Linear base, and adapters in float32 or the base dtype.
 A layer that does not is left on PEFT's path, with one warning naming it and the reason. The
-checks run again on every call, so merging, ``disable_adapter()`` or switching adapters later
-falls back to PEFT's forward for that call.
+qualification holds on every call: merging, ``disable_adapter()``, switching adapters, a new
+adapter or new weights, a dtype or device change later route that call as a fresh check would.
+It is cached per layer under a key of everything it reads (adapter state, the tensors by
+identity with their dtype, shape, device and requires_grad, the scaling): a step's forwards
+re-read the key (a few attribute reads), not the whole check.
 """
 
 from __future__ import annotations
@@ -32,10 +35,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
+from fusetune.ops.lora import (
+    lora_linear_validated,
+    lora_mlp_validated,
+    lora_qkv_validated,
+)
+from fusetune.reference.lora import Projection, check_mlp_projections, check_qkv_projections
+from fusetune.reference.lora import check_projection as _check_projection
 
 _PATCH = "_fusetune_peft_patch"
 _SKIPPED = "_fusetune_peft_skipped"
+_ROUTE = "_fusetune_peft_route"
+_NO_VARIANTS: dict = {}  # PEFT versions without lora_variant
 # Reasons that are modes PEFT handles on its own path, not a limitation: no warning.
 _QUIET_REASONS = ("adapters disabled", "adapter merged into the base weight")
 
@@ -48,6 +59,20 @@ class _Patch:
     original: Callable | None
     had_instance_forward: bool
     warned: set[str] = field(default_factory=set)
+    # an MLP's gate, up and down projections last checked together (by identity)
+    checked: tuple[Projection, ...] | None = None
+
+
+@dataclass
+class _Route:
+    """A LoRA layer's qualification (``lora_reason``, and its checked projection when it
+    qualifies), valid while :func:`_state_key` gives ``key``. ``tensors`` keeps the tensors
+    the key names by id alive, so that no id is reused while the route is cached."""
+
+    key: tuple
+    reason: str | None
+    projection: Projection | None
+    tensors: tuple
 
 
 # ----------------------------------------------------------------------------- qualification
@@ -101,17 +126,92 @@ def lora_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def _projection(layer: torch.nn.Module) -> tuple:
+def _projection(layer: torch.nn.Module) -> Projection:
     """(weight, lora_a, lora_b, scaling, bias) of a qualifying layer's active adapter."""
     name = next(n for n in layer.active_adapters if n in layer.lora_A)
     base = layer.get_base_layer()
-    return (
+    return Projection(
         base.weight,
         layer.lora_A[name].weight,
         layer.lora_B[name].weight,
         layer.scaling[name],
         base.bias,
     )
+
+
+def _qualify(layer: torch.nn.Module) -> tuple[str | None, Projection | None]:
+    """(lora_reason, None) or (None, the projection, checked as lora_linear checks it)."""
+    reason = lora_reason(layer)
+    if reason is not None:
+        return reason, None
+    projection = _projection(layer)
+    _check_projection("", projection)
+    return None, projection
+
+
+def _route(layer: torch.nn.Module) -> tuple[str | None, Projection | None]:
+    """:func:`_qualify`, cached on the layer while its :func:`_state_key` stays the same."""
+    if torch.compiler.is_compiling():
+        return _qualify(layer)  # traced once per graph; Dynamo guards on what it reads
+    try:
+        key, tensors = _state_key(layer)
+    except (AttributeError, KeyError):  # a PEFT layout this key does not know: no cache
+        return _qualify(layer)
+    route = layer.__dict__.get(_ROUTE)
+    if route is not None and route.key == key:
+        return route.reason, route.projection
+    reason, projection = _qualify(layer)
+    layer.__dict__[_ROUTE] = _Route(key, reason, projection, tensors)
+    return reason, projection
+
+
+def _state_key(layer: torch.nn.Module) -> tuple[tuple, tuple]:
+    """(key, tensors): everything :func:`lora_reason` and the projection checks read from
+    ``layer``, read without nn.Module's attribute fallback (tensors by id, dtype, shape,
+    device and requires_grad; the scaling), and the tensors named by id."""
+    modules = layer._modules
+    base = modules["base_layer"]
+    while "base_layer" in base._modules:  # get_base_layer: a tuner layer around a tuner layer
+        base = base._modules["base_layer"]
+    weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
+    lora_as = modules["lora_A"]._modules
+    active = layer.active_adapter
+    if isinstance(active, str):
+        names = (active,) if active in lora_as else ()
+    else:
+        names = tuple([name for name in active if name in lora_as])
+    state = (type(base), layer.disable_adapters, bool(layer.merged_adapters), names)
+    state += (_tensor_key(weight), _tensor_key(bias))
+    if len(names) != 1:
+        return state, (weight, bias)
+    name = names[0]
+    a_module, b_module = lora_as[name], modules["lora_B"]._modules[name]
+    lora_a, lora_b = a_module._parameters["weight"], b_module._parameters["weight"]
+    dropout = modules["lora_dropout"]._modules[name]
+    attributes = layer.__dict__
+    state += (
+        _tensor_key(lora_a),
+        _tensor_key(lora_b),
+        a_module._parameters.get("bias") is None,
+        b_module._parameters.get("bias") is None,
+        type(dropout),
+        dropout.__dict__.get("p"),
+        attributes["use_dora"].get(name, False),
+        attributes.get("lora_variant", _NO_VARIANTS).get(name) is None,
+        attributes["scaling"][name],
+    )
+    return state, (weight, bias, lora_a, lora_b)
+
+
+def _tensor_key(tensor: torch.Tensor | None) -> tuple | None:
+    if tensor is None:
+        return None
+    return (id(tensor), tensor.dtype, tensor.shape, tensor.device, tensor.requires_grad)
+
+
+def _same(checked: tuple | None, projections: tuple) -> bool:
+    """``projections`` are the very objects last checked together."""
+    return checked is not None and all(a is b for a, b in zip(checked, projections, strict=True))
 
 
 _PROBE_ACTIVATIONS = {
@@ -144,13 +244,13 @@ def _original_forward(module: torch.nn.Module, patch: _Patch) -> Callable:
 
 
 def _linear_forward(layer, name, x, *args, **kwargs):
-    patch = getattr(layer, _PATCH)
-    reason = "extra forward arguments (e.g. adapter_names)" if args or kwargs else None
-    reason = reason or lora_reason(layer)
+    if args or kwargs:
+        reason, projection = "extra forward arguments (e.g. adapter_names)", None
+    else:
+        reason, projection = _route(layer)
     if reason is not None:
-        return _call_original(layer, patch, name, reason, x, *args, **kwargs)
-    weight, lora_a, lora_b, scaling, bias = _projection(layer)
-    return lora_linear(x, weight, lora_a, lora_b, scaling, bias=bias)
+        return _call_original(layer, getattr(layer, _PATCH), name, reason, x, *args, **kwargs)
+    return lora_linear_validated(x, projection)
 
 
 def _call_original(module, patch: _Patch, name: str, reason: str, *args, **kwargs):
@@ -160,15 +260,32 @@ def _call_original(module, patch: _Patch, name: str, reason: str, *args, **kwarg
     return _original_forward(module, patch)(*args, **kwargs)
 
 
+def _group_route(layers, extra_arguments) -> tuple[str | None, tuple[Projection, ...]]:
+    """(why the group stays on PEFT's path or None, the layers' projections)."""
+    if extra_arguments:
+        return "extra forward arguments", ()
+    projections = []
+    for layer in layers:
+        reason, projection = _route(layer)
+        if reason is not None:
+            return reason, ()
+        projections.append(projection)
+    return None, tuple(projections)
+
+
 def _mlp_forward(mlp, name, activation, x, *args, **kwargs):
     patch = getattr(mlp, _PATCH)
-    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    reason = "extra forward arguments" if args or kwargs else None
-    for layer in layers:
-        reason = reason or lora_reason(layer)
+    modules = mlp._modules
+    layers = (modules["gate_proj"], modules["up_proj"], modules["down_proj"])
+    reason, projections = _group_route(layers, args or kwargs)
     if reason is not None:
         return _call_original(mlp, patch, name, reason, x, *args, **kwargs)
-    return lora_mlp(x, *(_projection(layer) for layer in layers), activation)
+    if torch.compiler.is_compiling():
+        check_mlp_projections(list(projections), activation)
+    elif not _same(patch.checked, projections):
+        check_mlp_projections(list(projections), activation)
+        patch.checked = projections
+    return lora_mlp_validated(x, list(projections), activation)
 
 
 class _QKVGroup:
@@ -178,6 +295,7 @@ class _QKVGroup:
     def __init__(self, layers):
         self.layers = layers
         self.pending: list | None = None
+        self.checked: tuple[Projection, ...] | None = None  # last checked together
 
     def forward(self, index: int, name: str, x, *args, **kwargs):
         layer = self.layers[index]
@@ -190,12 +308,15 @@ class _QKVGroup:
                 return result
             return _linear_forward(layer, name, x, *args, **kwargs)
         self.pending = None
-        reason = "extra forward arguments" if args or kwargs else None
-        for each in self.layers:
-            reason = reason or lora_reason(each)
+        reason, projections = _group_route(self.layers, args or kwargs)
         if reason is not None:
             return _linear_forward(layer, name, x, *args, **kwargs)
-        q, k, v = lora_qkv(x, *(_projection(each) for each in self.layers))
+        if torch.compiler.is_compiling():
+            check_qkv_projections(list(projections))
+        elif not _same(self.checked, projections):
+            check_qkv_projections(list(projections))
+            self.checked = projections
+        q, k, v = lora_qkv_validated(x, list(projections))
         self.pending = [x, k, v]
         return q
 
@@ -310,6 +431,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             else:
                 module.__dict__.pop("forward", None)
         module.__dict__.pop(_SKIPPED, None)
+        module.__dict__.pop(_ROUTE, None)
     return model
 
 

@@ -619,13 +619,7 @@ def lora_linear(
             weight or bias that requires grad.
     """
     projection = Projection(weight, lora_a, lora_b, scaling, bias)
-    dtype = reference.check_lora_linear_args(x, projection)
-    if _use_reference(x, dtype):
-        return reference.lora_linear(x, weight, lora_a, lora_b, scaling, bias=bias)
-    (y,) = _LoraProjectionsFunction.apply(
-        _flat(x), dtype, (scaling,), *_flat_tensors([projection])
-    )
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _lora_linear(x, projection, reference.check_lora_linear_args(x, projection))
 
 
 def lora_qkv(
@@ -647,13 +641,7 @@ def lora_qkv(
     TypeError for a projection that is not such a tuple or base weights of different dtypes.
     """
     projections, dtype = reference.check_lora_qkv_args(x, q, k, v)
-    if _use_reference(x, dtype):
-        return reference.lora_qkv(x, q, k, v)
-    outputs = _LoraProjectionsFunction.apply(
-        _flat(x), dtype, tuple(p.scaling for p in projections), *_flat_tensors(projections)
-    )
-    lead = x.shape[:-1]
-    return tuple(y.view(*lead, y.shape[-1]) for y in outputs)
+    return _lora_qkv(x, projections, dtype)
 
 
 def lora_mlp(
@@ -682,8 +670,57 @@ def lora_mlp(
     activation or up / down weights that do not fit gate's intermediate size.
     """
     projections, dtype = reference.check_lora_mlp_args(x, gate, up, down, activation)
+    return _lora_mlp(x, projections, activation, dtype)
+
+
+# ============================================================================ checked entries
+# The ops after their argument checks. The *_validated entries are for fusetune's PEFT
+# integration, which checks a layer's projections once (reference.check_projection and the
+# group checks) and again only when the layer's state changes; they check x per call.
+
+
+def lora_linear_validated(x: torch.Tensor, projection: Projection) -> torch.Tensor:
+    """:func:`lora_linear` of a projection that passed ``reference.check_projection``."""
+    return _lora_linear(x, projection, reference.check_x(x, projection.weight))
+
+
+def lora_qkv_validated(
+    x: torch.Tensor, projections: list[Projection]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`lora_qkv` of projections that passed ``reference.check_qkv_projections``."""
+    return _lora_qkv(x, projections, reference.check_x(x, projections[0].weight, "q.weight"))
+
+
+def lora_mlp_validated(
+    x: torch.Tensor, projections: list[Projection], activation: str
+) -> torch.Tensor:
+    """:func:`lora_mlp` of projections that passed ``reference.check_mlp_projections``."""
+    dtype = reference.check_x(x, projections[0].weight, "gate.weight")
+    return _lora_mlp(x, projections, activation, dtype)
+
+
+def _lora_linear(x, projection, dtype):
     if _use_reference(x, dtype):
-        return reference.lora_mlp(x, gate, up, down, activation)
+        return reference.linear_checked(x, projection, dtype)
+    (y,) = _LoraProjectionsFunction.apply(
+        _flat(x), dtype, (projection.scaling,), *_flat_tensors([projection])
+    )
+    return y.view(*x.shape[:-1], projection.weight.shape[0])
+
+
+def _lora_qkv(x, projections, dtype):
+    if _use_reference(x, dtype):
+        return reference.qkv_checked(x, projections, dtype)
+    outputs = _LoraProjectionsFunction.apply(
+        _flat(x), dtype, tuple(p.scaling for p in projections), *_flat_tensors(projections)
+    )
+    lead = x.shape[:-1]
+    return tuple(y.view(*lead, y.shape[-1]) for y in outputs)
+
+
+def _lora_mlp(x, projections, activation, dtype):
+    if _use_reference(x, dtype):
+        return reference.mlp_checked(x, projections, activation, dtype)
     y = _LoraMLPFunction.apply(
         _flat(x), dtype, activation, tuple(p.scaling for p in projections),
         *_flat_tensors(projections),

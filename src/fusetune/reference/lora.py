@@ -18,6 +18,7 @@ bias) are frozen: they must not require grad.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -65,7 +66,61 @@ def as_projection(name: str, spec: object) -> Projection:
 
 
 def check_projection(prefix: str, p: Projection, in_features: int | None = None) -> None:
-    """Shapes, dtypes and frozenness of one projection; errors name ``prefix + argument``."""
+    """Shapes, dtypes, devices and frozenness of one projection; errors name ``prefix +
+    argument``. Runs on every op call: one cheap test of the valid case, and only when it fails
+    the detailed checks that find the fault and word the error."""
+    if not _projection_is_valid(p, in_features):
+        _explain_projection(prefix, p, in_features)
+
+
+_PLAIN_NUMBERS = (float, int)
+
+
+def _projection_is_valid(p: Projection, in_features: int | None) -> bool:
+    """True when :func:`_explain_projection` would pass; False may also mean it passes (an
+    unusual but valid argument, such as a symbolic scaling under torch.compile)."""
+    weight, lora_a, lora_b, bias = p.weight, p.lora_a, p.lora_b, p.bias
+    if not (
+        isinstance(weight, torch.Tensor)
+        and isinstance(lora_a, torch.Tensor)
+        and isinstance(lora_b, torch.Tensor)
+        and weight.dim() == 2
+        and lora_a.dim() == 2
+        and lora_b.dim() == 2
+        and type(p.scaling) in _PLAIN_NUMBERS
+        and -math.inf < p.scaling < math.inf
+    ):
+        return False
+    out_features, base_in = weight.shape
+    rank, a_in = lora_a.shape
+    dtype, adapter_dtype, device = weight.dtype, lora_a.dtype, weight.device
+    grad_enabled = torch.is_grad_enabled()
+    return (
+        (in_features is None or base_in == in_features)
+        and a_in == base_in
+        and rank != 0
+        and lora_b.shape == (out_features, rank)
+        and dtype.is_floating_point
+        and adapter_dtype == lora_b.dtype
+        and (adapter_dtype == torch.float32 or adapter_dtype == dtype)
+        and lora_a.device == device
+        and lora_b.device == device
+        and not (grad_enabled and weight.requires_grad)
+        and (
+            bias is None
+            or (
+                isinstance(bias, torch.Tensor)
+                and bias.dtype.is_floating_point
+                and bias.shape == (out_features,)
+                and bias.device == device
+                and not (grad_enabled and bias.requires_grad)
+            )
+        )
+    )
+
+
+def _explain_projection(prefix: str, p: Projection, in_features: int | None) -> None:
+    """Raise the error that names what is wrong with ``p`` (returns when nothing is)."""
     names = {k: f"{prefix}{k}" for k in ("weight", "lora_a", "lora_b", "scaling", "bias")}
     for key in ("weight", "lora_a", "lora_b"):
         check_floating(names[key], getattr(p, key))
@@ -140,6 +195,13 @@ def _check_frozen(name: str, tensor: torch.Tensor) -> None:
 
 
 def check_input(x: torch.Tensor, in_features: int) -> None:
+    if (
+        isinstance(x, torch.Tensor)
+        and x.dtype.is_floating_point
+        and x.dim() != 0
+        and x.shape[-1] == in_features
+    ):
+        return
     check_floating("x", check_tensor("x", x))
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(
@@ -154,13 +216,24 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return _utils.matmul_dtype(x, weight, ("x", "the base weight"))
 
 
+def check_x(x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight") -> torch.dtype:
+    """The per-call checks of ``x`` against (already checked) projections whose first base
+    weight is ``weight``: x's type and last dim, its device; returns the compute dtype."""
+    check_input(x, weight.shape[1])
+    _check_device(x, weight, weight_name)
+    return compute_dtype(x, weight)
+
+
+def _check_device(x: torch.Tensor, weight: torch.Tensor, weight_name: str) -> None:
+    if x.device != weight.device:
+        check_same_device(**{"x": x, weight_name: weight})
+
+
 def check_lora_linear_args(x: torch.Tensor, p: Projection) -> torch.dtype:
     """Checks shared by :func:`fusetune.lora_linear` and its reference; the compute dtype."""
     check_tensor("weight", p.weight)
     check_projection("", p)
-    check_input(x, p.weight.shape[1])
-    check_same_device(x=x, weight=p.weight)
-    return compute_dtype(x, p.weight)
+    return check_x(x, p.weight)
 
 
 def check_lora_qkv_args(
@@ -173,8 +246,19 @@ def check_lora_qkv_args(
     check_input(x, in_features)
     for name, p in zip("qkv", projections, strict=True):
         check_projection(f"{name}.", p, in_features)
-        check_same_device(x=x, **{f"{name}.weight": p.weight})
+        _check_device(x, p.weight, f"{name}.weight")
     return projections, _one_compute_dtype(x, projections, "qkv")
+
+
+def check_qkv_projections(projections: list[Projection]) -> None:
+    """The checks of :func:`check_lora_qkv_args` that do not involve x, for a caller that
+    checks x per call with :func:`check_x` (x against ``q.weight``)."""
+    check_tensor("q.weight", projections[0].weight)
+    in_features = projections[0].weight.shape[-1]
+    for name, p in zip("qkv", projections, strict=True):
+        check_projection(f"{name}.", p, in_features)
+    _check_one_base_dtype(projections, "qkv")
+    _check_one_device(projections, "qkv")
 
 
 def check_lora_mlp_args(
@@ -185,8 +269,25 @@ def check_lora_mlp_args(
     names = ("gate", "up", "down")
     projections = [as_projection(n, s) for n, s in zip(names, (gate, up, down), strict=True)]
     check_tensor("gate.weight", projections[0].weight)
+    check_input(x, projections[0].weight.shape[-1])
+    _check_mlp_shapes(projections)
+    for name, p in zip(names, projections, strict=True):
+        _check_device(x, p.weight, f"{name}.weight")
+    return projections, _one_compute_dtype(x, projections, "gate, up and down")
+
+
+def check_mlp_projections(projections: list[Projection], activation: str) -> None:
+    """The checks of :func:`check_lora_mlp_args` that do not involve x, for a caller that
+    checks x per call with :func:`check_x` (x against ``gate.weight``)."""
+    check_choice("activation", activation, ACTIVATIONS)
+    check_tensor("gate.weight", projections[0].weight)
+    _check_mlp_shapes(projections)
+    _check_one_base_dtype(projections, "gate, up and down")
+    _check_one_device(projections, "gate, up and down")
+
+
+def _check_mlp_shapes(projections: list[Projection]) -> None:
     hidden = projections[0].weight.shape[-1]
-    check_input(x, hidden)
     check_projection("gate.", projections[0], hidden)
     check_projection("up.", projections[1], hidden)
     intermediate = projections[0].weight.shape[0]
@@ -197,19 +298,27 @@ def check_lora_mlp_args(
         )
     check_tensor("down.weight", projections[2].weight)
     check_projection("down.", projections[2], intermediate)
-    for name, p in zip(names, projections, strict=True):
-        check_same_device(x=x, **{f"{name}.weight": p.weight})
-    return projections, _one_compute_dtype(x, projections, "gate, up and down")
 
 
 def _one_compute_dtype(x: torch.Tensor, projections: list[Projection], what: str) -> torch.dtype:
-    dtypes = {p.weight.dtype for p in projections}
-    if len(dtypes) > 1:
-        first, second, third = (p.weight.dtype for p in projections)
+    _check_one_base_dtype(projections, what)
+    return compute_dtype(x, projections[0].weight)
+
+
+def _check_one_base_dtype(projections: list[Projection], what: str) -> None:
+    first, second, third = (p.weight.dtype for p in projections)
+    if not first == second == third:
         raise TypeError(
             f"the base weights of {what} must share one dtype, got {first}, {second}, {third}"
         )
-    return compute_dtype(x, projections[0].weight)
+
+
+def _check_one_device(projections: list[Projection], what: str) -> None:
+    first, second, third = (p.weight.device for p in projections)
+    if not first == second == third:
+        raise ValueError(
+            f"the base weights of {what} must be on one device, got {first}, {second}, {third}"
+        )
 
 
 # ----------------------------------------------------------------------------- references
@@ -242,9 +351,7 @@ def lora_linear(
 ) -> torch.Tensor:
     """Reference of :func:`fusetune.lora_linear` (same signature and semantics)."""
     p = Projection(weight, lora_a, lora_b, scaling, bias)
-    dtype = check_lora_linear_args(x, p)
-    with torch.autocast(x.device.type, enabled=False):
-        return _project(x.to(dtype), p, dtype)
+    return linear_checked(x, p, check_lora_linear_args(x, p))
 
 
 def lora_qkv(
@@ -252,16 +359,38 @@ def lora_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of :func:`fusetune.lora_qkv` (same signature and semantics)."""
     projections, dtype = check_lora_qkv_args(x, q, k, v)
-    with torch.autocast(x.device.type, enabled=False):
-        xc = x.to(dtype)
-        return tuple(_project(xc, p, dtype) for p in projections)
+    return qkv_checked(x, projections, dtype)
 
 
 def lora_mlp(
     x: torch.Tensor, gate: object, up: object, down: object, activation: str = "swiglu"
 ) -> torch.Tensor:
     """Reference of :func:`fusetune.lora_mlp` (same signature and semantics)."""
-    (gate_p, up_p, down_p), dtype = check_lora_mlp_args(x, gate, up, down, activation)
+    projections, dtype = check_lora_mlp_args(x, gate, up, down, activation)
+    return mlp_checked(x, projections, activation, dtype)
+
+
+# The references after their checks (callers that ran them: the ops' CPU path), with the
+# compute dtype the checks returned.
+
+
+def linear_checked(x: torch.Tensor, p: Projection, dtype: torch.dtype) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        return _project(x.to(dtype), p, dtype)
+
+
+def qkv_checked(
+    x: torch.Tensor, projections: list[Projection], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(x.device.type, enabled=False):
+        xc = x.to(dtype)
+        return tuple(_project(xc, p, dtype) for p in projections)
+
+
+def mlp_checked(
+    x: torch.Tensor, projections: list[Projection], activation: str, dtype: torch.dtype
+) -> torch.Tensor:
+    gate_p, up_p, down_p = projections
     with torch.autocast(x.device.type, enabled=False):
         xc = x.to(dtype)
         hidden = _activate(_project(xc, gate_p, dtype), _project(xc, up_p, dtype), activation)
