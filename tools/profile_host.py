@@ -17,7 +17,7 @@ peft, transformers, other).
 
 Default shapes: on CUDA Qwen2.5-0.5B (24 layers, hidden 896, batch 8, sequence 2048); on the
 CPU (reference path: pure-PyTorch ops, so Python per call dominates) 24 layers of tiny width,
-batch 2, sequence 16.
+batch 2, sequence 16, one thread (``--timer cpu`` times CPU time: steadier on a shared machine).
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--launches", action="store_true", help="CUDA: count kernel launches (torch.profiler)"
     )
+    parser.add_argument(
+        "--timer",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: the process's CPU time (steadier on a shared CPU machine; CPU runs only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -97,17 +103,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Callable, device: torch.device, count: int) -> tuple[list, list]:
+def time_steps(
+    step: Callable, device: torch.device, count: int, clock: Callable = time.perf_counter
+) -> tuple[list, list]:
     """(step ms, host ms) per step: synchronized before each; the host time ends when step()
     returns (work still queued on the GPU is not in it), the step time after a sync."""
     steps, hosts = [], []
     for _ in range(count):
         sync(device)
-        start = time.perf_counter()
+        start = clock()
         step()
-        host = time.perf_counter()
+        host = clock()
         sync(device)
-        end = time.perf_counter()
+        end = clock()
         steps.append((end - start) * 1e3)
         hosts.append((host - start) * 1e3)
     return steps, hosts
@@ -180,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.timer == "cpu" and cuda:
+        raise SystemExit("--timer cpu is for CPU runs (a GPU step's time is wall time)")
+    clock = time.process_time if args.timer == "cpu" else time.perf_counter
+    if not cuda:
+        torch.set_num_threads(1)  # tiny tensors: threads add noise, not speed
     shape, batch, seq_len = shape_of(args, cuda)
     model = build(shape, args.variant, device, tiny=False)
     input_ids = torch.randint(0, shape.config["vocab_size"], (batch, seq_len), device=device)
@@ -188,18 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.variant} on {device} ({torch.cuda.get_device_name(device) if cuda else 'CPU'})")
     print(f"torch {torch.__version__}; qwen2 {config}; batch {batch} x seq {seq_len}")
     time_steps(step, device, args.warmup)
-    step_ms, host_ms = time_steps(step, device, args.steps)
+    step_ms, host_ms = time_steps(step, device, args.steps, clock)
     print(
-        f"step: median {statistics.median(step_ms):.1f} ms (all: "
+        f"step ({args.timer} time): median {statistics.median(step_ms):.1f} ms (all: "
         f"{', '.join(f'{t:.1f}' for t in step_ms)})"
     )
     if cuda:
         print(f"host time to enqueue a step: median {statistics.median(host_ms):.1f} ms")
     if cuda and args.launches:
         count_launches(step, device)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(clock)
     profiler.enable()
-    time_steps(step, device, args.steps)
+    time_steps(step, device, args.steps, clock)
     profiler.disable()
     print_profile(profiler, args.steps, args.top)
     return 0

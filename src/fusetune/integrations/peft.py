@@ -74,6 +74,11 @@ class _Route:
     projection: Projection | None
     tensors: tuple
 
+    def __reduce__(self):
+        """Copies and pickles of a model carry no route: the key's ids are this process's
+        and these tensors'."""
+        return type(None), ()
+
 
 # ----------------------------------------------------------------------------- qualification
 
