@@ -172,8 +172,9 @@ def _route(layer: torch.nn.Module) -> tuple[str | None, Projection | None]:
 
 def _state_key(layer: torch.nn.Module) -> tuple[tuple, tuple]:
     """(key, tensors): everything :func:`lora_reason` and the projection checks read from
-    ``layer``, read without nn.Module's attribute fallback (tensors by id, dtype, shape,
-    device and requires_grad; the scaling), and the tensors named by id."""
+    ``layer``, read without nn.Module's attribute fallback (tensors by id, dtype, shape and
+    device; the base's requires_grad too; the scaling), and the tensors named by id. One flat
+    tuple: it is built for every LoRA layer on every forward."""
     modules = layer._modules
     base = modules["base_layer"]
     while "base_layer" in base._modules:  # get_base_layer: a tuner layer around a tuner layer
@@ -186,7 +187,7 @@ def _state_key(layer: torch.nn.Module) -> tuple[tuple, tuple]:
     else:
         names = tuple([name for name in active if name in lora_as])
     state = (type(base), layer.disable_adapters, bool(layer.merged_adapters), names)
-    state += (_tensor_key(weight), _tensor_key(bias))
+    state += _tensor_key(weight) + _tensor_key(bias)
     if len(names) != 1:
         return state, (weight, bias)
     name = names[0]
@@ -195,8 +196,14 @@ def _state_key(layer: torch.nn.Module) -> tuple[tuple, tuple]:
     dropout = modules["lora_dropout"]._modules[name]
     attributes = layer.__dict__
     state += (
-        _tensor_key(lora_a),
-        _tensor_key(lora_b),
+        id(lora_a),
+        lora_a.dtype,
+        lora_a.shape,
+        lora_a.device,
+        id(lora_b),
+        lora_b.dtype,
+        lora_b.shape,
+        lora_b.device,
         a_module._parameters.get("bias") is None,
         b_module._parameters.get("bias") is None,
         type(dropout),
@@ -208,9 +215,9 @@ def _state_key(layer: torch.nn.Module) -> tuple[tuple, tuple]:
     return state, (weight, bias, lora_a, lora_b)
 
 
-def _tensor_key(tensor: torch.Tensor | None) -> tuple | None:
+def _tensor_key(tensor: torch.Tensor | None) -> tuple:
     if tensor is None:
-        return None
+        return (None,)
     return (id(tensor), tensor.dtype, tensor.shape, tensor.device, tensor.requires_grad)
 
 
