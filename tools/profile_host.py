@@ -37,17 +37,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fusetune.bench.cases_e2e import SHAPES, VARIANTS, Shape, build, make_step  # noqa: E402
-
-CPU_SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=24,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+from fusetune.bench.cases_e2e import (  # noqa: E402
+    SHAPES,
+    TINY_CONFIG,
+    VARIANTS,
+    Shape,
+    build,
+    make_step,
 )
+
+CPU_SHAPE = dict(TINY_CONFIG, num_hidden_layers=24)  # tiny widths, Qwen's depth
 OVERRIDES = {  # option -> config key
     "hidden": "hidden_size",
     "layers": "num_hidden_layers",
