@@ -121,21 +121,24 @@ def train(model, batches, *, autocast=None, accumulate=1, compiled=None):
     return torch.stack(losses).cpu(), updates
 
 
+def counting(counts: dict[str, int], name: str, function):
+    """``function``, adding each of its calls to ``counts[name]`` (which starts at 0)."""
+    counts.setdefault(name, 0)
+
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the fused ops the patched forwards call (they look them up at call time)."""
     counts = dict.fromkeys(["rms_norm", "rope", "glu", "linear_cross_entropy"], 0)
-
-    def counting(name, function):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return function(*args, **kwargs)
-
-        return wrapper
-
     for name in ("rms_norm", "rope", "linear_cross_entropy"):
-        monkeypatch.setattr(forwards, name, counting(name, getattr(forwards, name)))
-    glu_ops = {kind: counting("glu", op) for kind, op in forwards.GLU_OPS.items()}
+        monkeypatch.setattr(forwards, name, counting(counts, name, getattr(forwards, name)))
+    glu_ops = {kind: counting(counts, "glu", op) for kind, op in forwards.GLU_OPS.items()}
     monkeypatch.setattr(forwards, "GLU_OPS", glu_ops)
     return counts
 

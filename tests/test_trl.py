@@ -23,6 +23,7 @@ from test_transformers import (
     FP32_LOSS_TOL,
     FP32_UPDATE_TOL,
     LR,
+    counting,
     fused_calls,  # noqa: F401 (a fixture)
     lora_model,
     make_batches,
@@ -39,18 +40,6 @@ pytestmark = pytest.mark.filterwarnings(
 
 STEPS, BATCH = 3, 2
 METRICS = ("loss", "entropy", "mean_token_accuracy")
-
-
-def count_calls(monkeypatch, module, name: str, counts: dict) -> None:
-    """Counts ``module.name``'s calls into ``counts[name]`` (looked up at call time)."""
-    function = getattr(module, name)
-    counts[name] = 0
-
-    def counting(*args, **kwargs):
-        counts[name] += 1
-        return function(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counting)
 
 
 def word_tokenizer(vocab_size: int):
@@ -106,7 +95,8 @@ def test_sft_trainer_matches_an_unpatched_run(kind, tmp_path, fused_calls, monke
     maker = lora_model if kind == "lora" else tiny_model
     model = maker("llama", num_hidden_layers=1)
     for name in ("lora_qkv_validated", "lora_mlp_validated"):  # the PEFT LoRA route's fused ops
-        count_calls(monkeypatch, peft_integration, name, fused_calls)
+        counted = counting(fused_calls, name, getattr(peft_integration, name))
+        monkeypatch.setattr(peft_integration, name, counted)
     want = sft_run(copy.deepcopy(model), tmp_path, patch=False)
     assert not any(fused_calls.values())
     got = sft_run(model, tmp_path, patch=True)

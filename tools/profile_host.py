@@ -45,6 +45,7 @@ from fusetune.bench.cases_e2e import (  # noqa: E402
     build,
     make_step,
 )
+from fusetune.bench.harness import synchronize  # noqa: E402
 
 CPU_SHAPE = dict(TINY_CONFIG, num_hidden_layers=24)  # tiny widths, Qwen's depth
 OVERRIDES = {  # option -> config key
@@ -97,11 +98,6 @@ def shape_of(args: argparse.Namespace, cuda: bool) -> tuple[Shape, int, int]:
     return Shape("profile", qwen.model_type, config, batch), batch, seq_len
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(
     step: Callable, device: torch.device, count: int, clock: Callable = time.perf_counter
 ) -> tuple[list, list]:
@@ -109,11 +105,11 @@ def time_steps(
     returns (work still queued on the GPU is not in it), the step time after a sync."""
     steps, hosts = [], []
     for _ in range(count):
-        sync(device)
+        synchronize(device)
         start = clock()
         step()
         host = clock()
-        sync(device)
+        synchronize(device)
         end = clock()
         steps.append((end - start) * 1e3)
         hosts.append((host - start) * 1e3)
@@ -175,10 +171,10 @@ def count_launches(step: Callable, device: torch.device) -> None:
     """Kernels and launch calls of one step (torch.profiler, CPU + CUDA activities)."""
     from torch.profiler import ProfilerActivity, profile
 
-    sync(device)
+    synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        sync(device)
+        synchronize(device)
     launches = kernels = 0
     for event in prof.key_averages():
         if "LaunchKernel" in event.key or "cuLaunch" in event.key:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from fusetune.bench.harness import Case, environment, register
+from fusetune.bench.harness import Case, environment, register, synchronize
 
 SEQ_LEN = 2048
 RANK, ALPHA = 16, 32
@@ -187,17 +187,12 @@ def make_step(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[], t
     return step
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_steps(step: Callable[[], torch.Tensor], device: torch.device, count: int) -> list[float]:
     times = []
     for _ in range(count):
         start = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
 

@@ -206,7 +206,8 @@ def load_ops(ops: list[str] | None) -> list[str]:
 # --------------------------------------------------------------------------- device helpers
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA); a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -281,12 +282,12 @@ def _peak_extra_gib(fn: Callable[[], object], device: torch.device) -> float:
     Measured after a warm-up call, so workspaces that a provider caches across calls are in the
     base; the gradients the step creates are not (closures clear them at the end of a step).
     """
-    _sync(device)
+    synchronize(device)
     _release(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     fn()  # the result (e.g. the loss) is dropped at once
-    _sync(device)
+    synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - base) / GIB
 
 
@@ -393,7 +394,7 @@ def _bench_provider(
             before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
         fn()  # warm-up: compiles, autotunes, and surfaces errors before anything is measured
-        _sync(device)
+        synchronize(device)
         row["first_call_ms"] = (time.perf_counter() - start) * 1e3
         if cuda:
             _check_retained(row, torch.cuda.memory_allocated(device) - before)

@@ -242,10 +242,9 @@ def check_lora_qkv_args(
     """Checks shared by :func:`fusetune.lora_qkv` and its reference."""
     projections = [as_projection(name, spec) for name, spec in zip("qkv", (q, k, v), strict=True)]
     check_tensor("q.weight", projections[0].weight)
-    in_features = projections[0].weight.shape[-1]
-    check_input(x, in_features)
+    check_input(x, projections[0].weight.shape[-1])
+    _check_qkv_shapes(projections)
     for name, p in zip("qkv", projections, strict=True):
-        check_projection(f"{name}.", p, in_features)
         _check_device(x, p.weight, f"{name}.weight")
     return projections, _one_compute_dtype(x, projections, "qkv")
 
@@ -254,11 +253,15 @@ def check_qkv_projections(projections: list[Projection]) -> None:
     """The checks of :func:`check_lora_qkv_args` that do not involve x, for a caller that
     checks x per call with :func:`check_x` (x against ``q.weight``)."""
     check_tensor("q.weight", projections[0].weight)
+    _check_qkv_shapes(projections)
+    _check_one_base_dtype(projections, "qkv")
+    _check_one_device(projections, "qkv")
+
+
+def _check_qkv_shapes(projections: list[Projection]) -> None:
     in_features = projections[0].weight.shape[-1]
     for name, p in zip("qkv", projections, strict=True):
         check_projection(f"{name}.", p, in_features)
-    _check_one_base_dtype(projections, "qkv")
-    _check_one_device(projections, "qkv")
 
 
 def check_lora_mlp_args(
