@@ -258,14 +258,18 @@ def test_module():
 
 
 def test_chunk_rows_memory_rule(monkeypatch):
-    """Chunks are sized from the weight and the free memory, never from N x V."""
+    """Chunks are sized from the weight and the free memory, never from N x V: 1/8 of the
+    weight's bytes, at least 1024 rows and 256 MiB, at most a quarter of the free memory."""
     weight = torch.empty(128_256, 4096, dtype=torch.bfloat16, device="meta")
-    rows = lce_module.chunk_rows(8192, weight)
-    assert rows % lce_module.ROW_ALIGN == 0
-    assert rows * 128_256 * 2 <= weight.numel() * 2 // lce_module.LOGITS_WEIGHT_FRACTION
-    assert lce_module.chunk_rows(1 << 20, weight) == rows  # independent of N
+    assert lce_module.chunk_rows(8192, weight) == 1024  # 1/8 of the weight is 512 rows
+    assert lce_module.chunk_rows(1 << 20, weight) == 1024  # independent of N
     assert lce_module.chunk_rows(10, weight) == 10
     assert lce_module.chunk_rows(8192, weight, override=100) == 100
+    big = torch.empty(128_256, 16384, dtype=torch.bfloat16, device="meta")
+    assert lce_module.chunk_rows(1 << 20, big) == 2048  # 1/8 of its bytes
+    small_vocab = torch.empty(32_000, 512, dtype=torch.bfloat16, device="meta")
+    rows = lce_module.chunk_rows(1 << 20, small_vocab)  # 256 MiB of logits
+    assert rows % lce_module.ROW_ALIGN == 0 and 4096 <= rows <= 256 * 2**20 // 64_000
     monkeypatch.setattr(lce_module, "_free_bytes", lambda device: 256 * 2**20)
     assert lce_module.chunk_rows(8192, weight) * 128_256 * 2 <= 64 * 2**20
 

@@ -28,12 +28,16 @@ from fusetune.reference.linear_cross_entropy import (
     linear_cross_entropy as reference_linear_cross_entropy,
 )
 
-# A chunk's logits take at most this fraction of the weight's bytes (the weight gradient, which
-# any training step allocates, is as large), at least MIN_LOGITS_BYTES, and at most a quarter of
-# the free memory. Rows per chunk are a multiple of ROW_ALIGN, which keeps the matmuls in
-# full tiles. Measured on an H100 in NOTES.md.
+# A chunk's logits take 1 / LOGITS_WEIGHT_FRACTION of the weight's bytes (the weight gradient,
+# which any training step allocates, is as large), but at least MIN_CHUNK_ROWS rows and
+# MIN_LOGITS_BYTES, and at most a quarter of the free memory. Below about 1024 rows (or 256 MiB
+# of logits at a small vocabulary) the three matmuls run thin and every chunk re-reads the
+# weight gradient: on an H100 (tools/tune_head.py, NOTES.md) linear CE at H=896 V=151936 takes
+# 26.7 ms at 192 rows and 13.9 at 1024; at H=4096 V=128256 45.5 at 512 and 41.0 at 1024.
+# Rows per chunk are a multiple of ROW_ALIGN, which keeps the matmuls in full tiles.
 LOGITS_WEIGHT_FRACTION = 8
-MIN_LOGITS_BYTES = 64 * 2**20
+MIN_CHUNK_ROWS = 1024
+MIN_LOGITS_BYTES = 256 * 2**20
 ROW_ALIGN = 64
 
 
@@ -49,15 +53,18 @@ def chunk_rows(
     weight_fraction: int = LOGITS_WEIGHT_FRACTION,
 ) -> int:
     """Rows per chunk: ``override`` when > 0, else chosen from the weight and the free memory
-    (a chunk's logits take 1 / ``weight_fraction`` of the weight's bytes)."""
+    (a chunk's logits take 1 / ``weight_fraction`` of the weight's bytes, at least
+    MIN_CHUNK_ROWS rows and MIN_LOGITS_BYTES, at most a quarter of the free memory)."""
     if override > 0:
         return max(1, min(override, n_rows))
     vocab, element = weight.shape[0], weight.element_size()
-    budget = max(weight.numel() * element // weight_fraction, MIN_LOGITS_BYTES)
+    row_bytes = vocab * element
+    budget = max(weight.numel() * element // weight_fraction, MIN_LOGITS_BYTES,
+                 MIN_CHUNK_ROWS * row_bytes)  # fmt: skip
     free = _free_bytes(weight.device)
     if free is not None:
         budget = min(budget, free // 4)
-    rows = max(ROW_ALIGN, budget // (vocab * element) // ROW_ALIGN * ROW_ALIGN)
+    rows = max(ROW_ALIGN, budget // row_bytes // ROW_ALIGN * ROW_ALIGN)
     return max(1, min(rows, n_rows))
 
 
