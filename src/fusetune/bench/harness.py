@@ -40,6 +40,7 @@ CASE_MODULES: dict[str, str] = {
     "gated_slot_attention": "fusetune.bench.cases_gsa",
     "grpo": "fusetune.bench.cases_grpo",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
+    "log_probs": "fusetune.bench.cases_grpo",
     "lora": "fusetune.bench.cases_lora",
     "rms_norm": "fusetune.bench.cases_rms_norm",
     "rope": "fusetune.bench.cases_rope",
