@@ -16,6 +16,7 @@ import torch
 import triton
 
 import fusetune
+from fusetune.bench.cases_grpo import trl_head
 from fusetune.ops import grpo as grpo_module
 from fusetune.ops.linear_cross_entropy import chunk_rows
 
@@ -45,17 +46,13 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def trl_head(outputs: tuple[str, ...]):
-    try:
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    except ImportError:
+def trl_head_step(outputs: tuple[str, ...]):
+    head = trl_head()
+    if head is None:
         return None
 
     def run(hidden, weight, ids):
-        out = ChunkedLogProbFunction.apply(
-            hidden, weight, None, ids, 1.0, 32768, None, 1.0, outputs
-        )
-        return out[0]
+        return head(hidden, weight, None, ids, 1.0, 32768, None, 1.0, outputs)[0]
 
     return run
 
@@ -96,7 +93,7 @@ def trl_steps(hidden, weight, ids):
     steps = {}
     for name, outputs in (("trl log_probs", ("log_probs",)),
                           ("trl log_probs+entropy", ("log_probs", "entropy"))):  # fmt: skip
-        head = trl_head(outputs)
+        head = trl_head_step(outputs)
         if head is None:
             continue
 
