@@ -16,7 +16,10 @@ Gemma layers name them):
   :func:`fusetune.lora_linear`.
 
 A LoRA layer qualifies with one active adapter, lora_dropout == 0, no DoRA (or other LoRA
-variant), no LoRA bias, a frozen nn.Linear base, and adapters in float32 or the base dtype.
+variant), no LoRA bias, a frozen nn.Linear base, and adapters in float32 or the base dtype. A
+bitsandbytes 4-bit base (QLoRA: PEFT's ``lora.bnb.Linear4bit`` around ``bnb.nn.Linear4bit``)
+qualifies too when its compute dtype is the dtype its weight was quantised from (or unset): the
+ops then dequantise it in Triton where they read it (:mod:`fusetune.ops.quant4`).
 A layer that does not is left on PEFT's path, with one warning naming it and the reason. The
 qualification holds on every call: merging, ``disable_adapter()``, switching adapters, a new
 adapter or new weights, a dtype or device change later route that call as a fresh check would.
@@ -40,6 +43,7 @@ from fusetune.ops.lora import (
     lora_mlp_validated,
     lora_qkv_validated,
 )
+from fusetune.ops.quant4 import is_4bit, logical_dtype
 from fusetune.reference.lora import Projection, check_mlp_projections, check_qkv_projections
 from fusetune.reference.lora import check_projection as _check_projection
 
@@ -83,25 +87,49 @@ class _Route:
 # ----------------------------------------------------------------------------- qualification
 
 
-def _lora_linear_class():
+def _lora_linear_class() -> tuple[type, ...]:
+    """PEFT's LoRA linear layer classes: ``lora.Linear``, and ``lora.bnb.Linear4bit`` when
+    bitsandbytes is installed."""
     from peft.tuners.lora.layer import Linear
 
-    return Linear
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:  # bitsandbytes missing
+        return (Linear,)
+    return (Linear, Linear4bit)
 
 
 def is_lora_layer(module: torch.nn.Module) -> bool:
-    """A PEFT LoRA linear layer (any state)."""
+    """A PEFT LoRA linear layer (any state), dense or 4-bit."""
     try:
         return isinstance(module, _lora_linear_class())
     except ImportError:  # pragma: no cover - peft missing
         return False
 
 
+def _base_reason(base: torch.nn.Module) -> str | None:
+    """Why a LoRA layer's base layer cannot be read by fusetune's ops; None if it can."""
+    if not isinstance(base, torch.nn.Linear):
+        return f"its base layer is {type(base).__name__}, not a floating-point nn.Linear"
+    if is_4bit(base.weight):
+        compute = getattr(base, "compute_dtype", None)
+        if compute is not None and compute != logical_dtype(base.weight):
+            return (
+                f"its 4-bit base computes in {compute} but was quantised from "
+                f"{logical_dtype(base.weight)} (fusetune computes as the dense weight would)"
+            )
+        return None
+    if not base.weight.dtype.is_floating_point:
+        return f"its base layer is {type(base).__name__}, not a floating-point nn.Linear"
+    return None
+
+
 def lora_reason(layer: torch.nn.Module) -> str | None:
     """Why ``layer`` (a PEFT LoRA linear layer) cannot take fusetune's path now; None if it can."""
     base = layer.get_base_layer()
-    if not isinstance(base, torch.nn.Linear) or not base.weight.dtype.is_floating_point:
-        return f"its base layer is {type(base).__name__}, not a floating-point nn.Linear"
+    reason = _base_reason(base)
+    if reason is not None:
+        return reason
     if layer.disable_adapters:
         return "adapters disabled"
     if layer.merged:
@@ -123,9 +151,10 @@ def lora_reason(layer: torch.nn.Module) -> str | None:
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
         return "its base layer is trainable (fusetune keeps the base frozen)"
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-    if lora_a.dtype != lora_b.dtype or lora_a.dtype not in (torch.float32, base.weight.dtype):
+    base_dtype = logical_dtype(base.weight)
+    if lora_a.dtype != lora_b.dtype or lora_a.dtype not in (torch.float32, base_dtype):
         return (
-            f"adapters in {lora_a.dtype} / {lora_b.dtype} beside a {base.weight.dtype} base "
+            f"adapters in {lora_a.dtype} / {lora_b.dtype} beside a {base_dtype} base "
             "(fusetune takes float32 or the base dtype)"
         )
     return None
@@ -410,7 +439,7 @@ def _patch_mlp(name: str, mlp: torch.nn.Module, handled: set[str]) -> None:
     reasons = [lora_reason(layer) for layer in layers]
     if any(reasons):
         return  # each layer is judged (and warned about) on its own below
-    if len({layer.get_base_layer().weight.dtype for layer in layers}) > 1:
+    if len({logical_dtype(layer.get_base_layer().weight) for layer in layers}) > 1:
         _skip(mlp, name, "gate, up and down base weights of different dtypes")
         return
     _install(mlp, functools.partial(_mlp_forward, mlp, name, activation))
@@ -421,7 +450,7 @@ def _patch_qkv(name: str, attention: torch.nn.Module, handled: set[str]) -> None
     layers = (attention.q_proj, attention.k_proj, attention.v_proj)
     if any(lora_reason(layer) for layer in layers):
         return
-    if len({layer.get_base_layer().weight.dtype for layer in layers}) > 1:
+    if len({logical_dtype(layer.get_base_layer().weight) for layer in layers}) > 1:
         return  # one by one through lora_linear
     group = _QKVGroup(layers)
     for index, (suffix, layer) in enumerate(

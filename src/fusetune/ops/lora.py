@@ -25,6 +25,10 @@ Precision: every matmul in one compute dtype (the autocast dtype under torch.aut
 the rule of :mod:`fusetune.reference.lora`), fp32 accumulation; the kernels work in fp32 and
 round once on store. Gradients come back in each input's dtype.
 
+A base weight may be a bitsandbytes 4-bit weight (QLoRA): it is dequantised by a Triton kernel
+(:mod:`fusetune.ops.quant4`) into a fresh buffer where the dense weight would be read (x W^T in
+the forward, dy W in the backward) and never kept; it stands for its dense twin exactly.
+
 Layout: kernels, host launchers, registered ops (for torch.compile), autograd Functions, public
 functions.
 """
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 from fusetune import _utils
 from fusetune._triton import INTERPRET, dot, tl, triton
+from fusetune.ops import quant4
 from fusetune.ops.activation import ACTIVATIONS as GLU_ACTIVATIONS
 from fusetune.ops.activation import _activation
 from fusetune.reference import lora as reference
@@ -351,7 +356,7 @@ def _scaled(t: torch.Tensor, scaling: float, like: torch.Tensor) -> torch.Tensor
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
-    return F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
+    return F.linear(x, quant4.dense(weight, dtype), None if bias is None else bias.to(dtype))
 
 
 def _scaled_b(lora_b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
@@ -470,9 +475,9 @@ class _LoraProjectionsFunction(torch.autograd.Function):
             [grp[2] for grp in groups], [grp[3] for grp in groups], needs_a, needs_b, need_x,
         )
         if need_x:
-            grad_x = torch.mm(dys[0], groups[0][0].to(dtype))
+            grad_x = torch.mm(dys[0], quant4.dense(groups[0][0], dtype))
             for dy, (weight, *_) in zip(dys[1:], groups[1:], strict=True):
-                grad_x = _add_mm(grad_x, dy, weight.to(dtype), 1, eager)
+                grad_x = _add_mm(grad_x, dy, quant4.dense(weight, dtype), 1, eager)
             grad_x = _add_mm(grad_x, g, stacked_a, 1, eager)
             grad_x = grad_x.to(x.dtype)
         per_projection = [(None, None, ga, gb) for ga, gb in zip(grads_a, grads_b, strict=True)]
@@ -544,8 +549,8 @@ class _LoraMLPFunction(torch.autograd.Function):
                 (needs_a_gate, needs_a_up), (False, False), need_x,
             )
             if need_x:
-                grad_x = torch.mm(grad_gate, gate_group[0].to(dtype))
-                grad_x = _add_mm(grad_x, grad_up, up_group[0].to(dtype), 1, eager)
+                grad_x = torch.mm(grad_gate, quant4.dense(gate_group[0], dtype))
+                grad_x = _add_mm(grad_x, grad_up, quant4.dense(up_group[0], dtype), 1, eager)
                 grad_x = _add_mm(grad_x, g, _stacked_a(groups[:2], dtype), 1, eager)
                 grad_x = grad_x.to(x.dtype)
         return (grad_x, None, None, None, None, None, grad_a_gate, grad_b_gate, None, None,
@@ -560,7 +565,7 @@ def _mlp_activation_backward(ctx, groups, dy, gate, up, xa_gate_up):
     s_gate, s_up, s_down = ctx.scalings
     xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
     g_down = torch.mm(dy, b_down.to(dtype))
-    grad_h = torch.mm(dy, w_down.to(dtype))  # without its LoRA term: the kernel adds it
+    grad_h = torch.mm(dy, quant4.dense(w_down, dtype))  # without its LoRA term: the kernel adds it
     args = (grad_h, g_down, a_down.to(dtype), s_down, gate, up, xa_gate, xa_up,
             b_gate.to(dtype), b_up.to(dtype), s_gate, s_up, ctx.activation)
     if not _utils.plain_eager(dy, gate, up):
@@ -705,7 +710,7 @@ def _lora_linear(x, projection, dtype):
     (y,) = _LoraProjectionsFunction.apply(
         _flat(x), dtype, (projection.scaling,), *_flat_tensors([projection])
     )
-    return y.view(*x.shape[:-1], projection.weight.shape[0])
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _lora_qkv(x, projections, dtype):

@@ -5,7 +5,9 @@
     lora_qkv(x)    = three lora_linear of one x
     lora_mlp(x)    = down(act(gate(x)) * up(x)), each projection a lora_linear
 
-W [out, in] is the frozen base weight, A [r, in] and B [out, r] the adapter.
+W [out, in] is the frozen base weight, A [r, in] and B [out, r] the adapter. W may be a
+bitsandbytes 4-bit weight (``Params4bit``, QLoRA): it then stands for its dequantised dense twin
+(:mod:`fusetune.reference.quant4`) in every formula and check.
 
 Precision (the ops follow the same rule): every matmul runs in one compute dtype, accumulating
 in fp32. Under torch.autocast that is the autocast dtype, as F.linear would use. Outside it: the
@@ -33,6 +35,7 @@ from fusetune._utils import (
     check_same_device,
     check_tensor,
 )
+from fusetune.reference import quant4
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 ADAPTER_DTYPE_RULE = "float32 or the base weight's dtype"
@@ -69,8 +72,18 @@ def check_projection(prefix: str, p: Projection, in_features: int | None = None)
     """Shapes, dtypes, devices and frozenness of one projection; errors name ``prefix +
     argument``. Runs on every op call: one cheap test of the valid case, and only when it fails
     the detailed checks that find the fault and word the error."""
+    p = checked_view(p, prefix)
     if not _projection_is_valid(p, in_features):
         _explain_projection(prefix, p, in_features)
+
+
+def checked_view(p: Projection, prefix: str = "") -> Projection:
+    """``p`` as the checks read it: a 4-bit base weight replaced by a stand-in of its dense
+    shape, dtype and device (its quantisation state checked here)."""
+    if not quant4.is_4bit(p.weight):
+        return p
+    quant4.check_4bit(f"{prefix}weight", p.weight)
+    return p._replace(weight=quant4.stand_in(p.weight))
 
 
 _PLAIN_NUMBERS = (float, int)
@@ -219,6 +232,7 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def check_x(x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight") -> torch.dtype:
     """The per-call checks of ``x`` against (already checked) projections whose first base
     weight is ``weight``: x's type and last dim, its device; returns the compute dtype."""
+    weight = quant4.stand_in(weight)
     check_input(x, weight.shape[1])
     _check_device(x, weight, weight_name)
     return compute_dtype(x, weight)
@@ -232,6 +246,7 @@ def _check_device(x: torch.Tensor, weight: torch.Tensor, weight_name: str) -> No
 def check_lora_linear_args(x: torch.Tensor, p: Projection) -> torch.dtype:
     """Checks shared by :func:`fusetune.lora_linear` and its reference; the compute dtype."""
     check_tensor("weight", p.weight)
+    p = checked_view(p)
     check_projection("", p)
     return check_x(x, p.weight)
 
@@ -242,20 +257,22 @@ def check_lora_qkv_args(
     """Checks shared by :func:`fusetune.lora_qkv` and its reference."""
     projections = [as_projection(name, spec) for name, spec in zip("qkv", (q, k, v), strict=True)]
     check_tensor("q.weight", projections[0].weight)
-    check_input(x, projections[0].weight.shape[-1])
-    _check_qkv_shapes(projections)
-    for name, p in zip("qkv", projections, strict=True):
+    views = [checked_view(p, f"{name}.") for name, p in zip("qkv", projections, strict=True)]
+    check_input(x, views[0].weight.shape[-1])
+    _check_qkv_shapes(views)
+    for name, p in zip("qkv", views, strict=True):
         _check_device(x, p.weight, f"{name}.weight")
-    return projections, _one_compute_dtype(x, projections, "qkv")
+    return projections, _one_compute_dtype(x, views, "qkv")
 
 
 def check_qkv_projections(projections: list[Projection]) -> None:
     """The checks of :func:`check_lora_qkv_args` that do not involve x, for a caller that
     checks x per call with :func:`check_x` (x against ``q.weight``)."""
     check_tensor("q.weight", projections[0].weight)
-    _check_qkv_shapes(projections)
-    _check_one_base_dtype(projections, "qkv")
-    _check_one_device(projections, "qkv")
+    views = [checked_view(p, f"{name}.") for name, p in zip("qkv", projections, strict=True)]
+    _check_qkv_shapes(views)
+    _check_one_base_dtype(views, "qkv")
+    _check_one_device(views, "qkv")
 
 
 def _check_qkv_shapes(projections: list[Projection]) -> None:
@@ -272,11 +289,12 @@ def check_lora_mlp_args(
     names = ("gate", "up", "down")
     projections = [as_projection(n, s) for n, s in zip(names, (gate, up, down), strict=True)]
     check_tensor("gate.weight", projections[0].weight)
-    check_input(x, projections[0].weight.shape[-1])
-    _check_mlp_shapes(projections)
-    for name, p in zip(names, projections, strict=True):
+    views = [checked_view(p, f"{name}.") for name, p in zip(names, projections, strict=True)]
+    check_input(x, views[0].weight.shape[-1])
+    _check_mlp_shapes(views)
+    for name, p in zip(names, views, strict=True):
         _check_device(x, p.weight, f"{name}.weight")
-    return projections, _one_compute_dtype(x, projections, "gate, up and down")
+    return projections, _one_compute_dtype(x, views, "gate, up and down")
 
 
 def check_mlp_projections(projections: list[Projection], activation: str) -> None:
@@ -284,9 +302,11 @@ def check_mlp_projections(projections: list[Projection], activation: str) -> Non
     checks x per call with :func:`check_x` (x against ``gate.weight``)."""
     check_choice("activation", activation, ACTIVATIONS)
     check_tensor("gate.weight", projections[0].weight)
-    _check_mlp_shapes(projections)
-    _check_one_base_dtype(projections, "gate, up and down")
-    _check_one_device(projections, "gate, up and down")
+    names = ("gate.", "up.", "down.")
+    views = [checked_view(p, name) for name, p in zip(names, projections, strict=True)]
+    _check_mlp_shapes(views)
+    _check_one_base_dtype(views, "gate, up and down")
+    _check_one_device(views, "gate, up and down")
 
 
 def _check_mlp_shapes(projections: list[Projection]) -> None:
@@ -329,7 +349,7 @@ def _check_one_device(projections: list[Projection], what: str) -> None:
 
 def _project(x: torch.Tensor, p: Projection, dtype: torch.dtype) -> torch.Tensor:
     bias = None if p.bias is None else p.bias.to(dtype)
-    base = F.linear(x, p.weight.to(dtype), bias)
+    base = F.linear(x, quant4.dense(p.weight, dtype), bias)
     return base + p.scaling * F.linear(F.linear(x, p.lora_a.to(dtype)), p.lora_b.to(dtype))
 
 
