@@ -18,6 +18,7 @@ from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
+from fusetune.ops.quant4 import dequantize_4bit
 from fusetune.ops.rms_norm import add_rms_norm, rms_norm
 from fusetune.ops.rope import rope
 
@@ -29,6 +30,7 @@ __all__ = [
     "apply",
     "backend",
     "cross_entropy",
+    "dequantize_4bit",
     "gated_slot_attention",
     "geglu",
     "grpo_loss",
