@@ -17,9 +17,10 @@ import torch
 
 import fusetune
 from fusetune.integrations import peft as integration
+from fusetune.ops import quant4 as quant4_ops
 from fusetune.reference import lora as lora_reference
 from fusetune.reference import quant4 as reference
-from harness import DEVICE, assert_close, assert_raises, tolerance
+from harness import DEVICE, assert_close, assert_raises, tolerance, uses_kernels
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NF4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -82,13 +83,17 @@ def step(op, x, projections, autocast):
 @pytest.mark.parametrize("dtype,adapter", [(BF16, FP32), (FP16, FP16), (FP32, FP32)],
                          ids=["bf16-fp32", "fp16", "fp32"])  # fmt: skip
 @pytest.mark.parametrize("op", ["linear", "qkv", "mlp"])
-def test_lora_ops_on_a_4bit_base_equal_its_dense_twin(op, dtype, adapter, autocast):
+def test_lora_ops_on_a_4bit_base_equal_its_dense_twin(op, dtype, adapter, autocast, monkeypatch):
     """The 4-bit base stands for its dequantised weight exactly: same outputs and gradients,
     bit for bit, as the op on that dense weight; and within the compute dtype's tolerance of
-    the float64 reference."""
+    the float64 reference. The Triton dequantisation ran (forward and backward)."""
     projections = [projection(o, i, dtype, adapter) for o, i in SHAPES[op]]
     x = torch.randn(3, 5, 64, device=DEVICE).to(dtype)
+    launches = []
+    launch = quant4_ops._launch
+    monkeypatch.setattr(quant4_ops, "_launch", lambda *a: launches.append(1) or launch(*a))
     got, got_grads = step(op, x, projections, autocast)
+    assert len(launches) == (2 * len(projections) if uses_kernels(x) else 0), launches
     want, want_grads = step(op, x, dense_twin(projections), autocast)
     for g, w in zip([*got, *got_grads], [*want, *want_grads], strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)

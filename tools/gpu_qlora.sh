@@ -34,7 +34,7 @@ dense = [(torch.randn(o, i, device="cuda") / i**0.5).to(torch.bfloat16) for o, i
 quantised = [quantize(w) for w in dense]
 w4 = quantised[0]
 ms = triton.testing.do_bench(lambda: fusetune.dequantize_4bit(w4), warmup=50, rep=300)
-print(f"dequantize_4bit {I}x{H} bf16: {ms * 1e3:.1f} us, {2.5 * I * H / ms / 1e9:.0f} GB/s")
+print(f"dequantize_4bit {I}x{H} bf16: {ms * 1e3:.1f} us, {2.5 * I * H / ms / 1e6:.0f} GB/s")
 x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 def projections(weights):
     return [(w, (torch.randn(R, (H if k < 2 else I), device="cuda") * 0.01).requires_grad_(),

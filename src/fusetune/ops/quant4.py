@@ -18,7 +18,7 @@ import math
 import torch
 
 from fusetune import _utils
-from fusetune._triton import tl, triton
+from fusetune._triton import INTERPRET, tl, triton
 from fusetune.reference import quant4 as reference
 from fusetune.reference.quant4 import check_4bit, is_4bit, logical_dtype, logical_shape
 
@@ -64,7 +64,10 @@ def _state_tensors(weight: torch.Tensor):
 
 def _launch(packed, absmax, code, outer_absmax, outer_code, offset, blocksize: int,
             outer_blocksize: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    out = _utils.empty(shape, dtype, packed.device)
+    # Triton's interpreter rounds 16-bit stores differently from the GPU and from torch (NOTES):
+    # there the kernel writes fp32 and torch rounds, so both paths equal the reference exactly.
+    store_dtype = torch.float32 if INTERPRET and dtype != torch.float64 else dtype
+    out = _utils.empty(shape, store_dtype, packed.device)
     n_elements = math.prod(shape)
     nested = outer_absmax is not None
     placeholder = absmax  # a valid pointer for the branch the constexpr compiles away
@@ -75,7 +78,7 @@ def _launch(packed, absmax, code, outer_absmax, outer_code, offset, blocksize: i
         n_elements, BLOCKSIZE=blocksize, OUTER_BLOCKSIZE=outer_blocksize if nested else 1,
         NESTED=nested, BLOCK=BLOCK,
     )
-    return out
+    return out.to(dtype)
 
 
 def _fake(packed, absmax, code, outer_absmax, outer_code, offset, blocksize, outer_blocksize,
@@ -123,7 +126,8 @@ def dequantize_4bit(weight: torch.Tensor, dtype: torch.dtype | None = None) -> t
 
 
 def _dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if _utils.backend(weight) == "reference":
+    # (the packed codes are uint8, which backend() sends to the reference: ask the code table)
+    if _utils.backend(weight.quant_state.code) == "reference":
         return reference.dequantize_4bit(weight, dtype)
     state = weight.quant_state
     tensors = _state_tensors(weight)
