@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from fusetune.finetune import main as finetune_main
 
         return finetune_main(rest)
+    if rest[:1] == ["e2e-grpo"]:  # a GRPOTrainer optimisation step: its own runner
+        from fusetune.bench.cases_e2e_grpo import main as e2e_grpo_main
+
+        return e2e_grpo_main(rest[1:])
     if rest[:1] == ["e2e"]:  # whole training steps: its own runner (a subprocess per variant)
         from fusetune.bench.cases_e2e import main as e2e_main
 
