@@ -1,0 +1,132 @@
+"""The longest sequence that trains at batch 1 on this GPU: one LoRA step (forward, backward,
+AdamW) of a random-weight model with gradient checkpointing, for HF + PEFT, + Liger-Kernel, +
+fusetune, and + fusetune with the checkpointed layer inputs offloaded to host memory.
+
+Each variant runs in its own process (Liger patches transformers for the whole process): the
+sequence doubles from --start until a step runs out of memory, then a bisection to --step.
+
+Usage: PYTHONPATH=src python tools/long_context.py [--shapes llama-3.2-1b llama-8b] [--variants ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from fusetune.bench import cases_e2e
+
+SHAPES = {
+    **cases_e2e.SHAPES,
+    "llama-8b": cases_e2e.Shape(
+        "Llama-3-8B",
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=1 << 20,
+            rms_norm_eps=1e-5,
+        ),  # fmt: skip
+        batch=1,
+    ),
+}
+VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+offload")
+
+
+def fits(model, seq_len: int, device: torch.device) -> float | None:
+    """Seconds for one step at ``seq_len``, or None when it runs out of memory."""
+    ids = None
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
+        step = cases_e2e.make_step(model, ids)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del ids
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+
+
+def worker(shape_key: str, variant: str, start: int, step: int, limit: int) -> dict:
+    device = torch.device("cuda")
+    cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
+    offload = variant.endswith("+offload")
+    model = cases_e2e.build(SHAPES[shape_key], variant.removesuffix("+offload"), device, False)
+    if offload:
+        from fusetune.integrations.checkpointing import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    good, bad, seconds = 0, None, None
+    length = start
+    while length <= limit and bad is None:  # double until out of memory
+        took = fits(model, length, device)
+        if took is None:
+            bad = length
+        else:
+            good, seconds, length = length, took, length * 2
+    high = bad or limit + step
+    while high - good > step:  # bisect between the last fit and the first failure
+        middle = (good + high) // 2 // step * step
+        took = fits(model, middle, device)
+        if took is None:
+            high = middle
+        else:
+            good, seconds = middle, took
+    return dict(shape=SHAPES[shape_key].name, variant=variant, max_seq_len=good,
+                step_s=seconds, limit=limit)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="*", default=["llama-3.2-1b", "llama-8b"])
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--start", type=int, default=16384)
+    parser.add_argument("--step", type=int, default=8192)
+    parser.add_argument("--limit", type=int, default=1 << 20)
+    parser.add_argument("--timeout", type=float, default=280)
+    parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = worker(*args.worker, args.start, args.step, args.limit)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    for shape in args.shapes:
+        for variant in args.variants:
+            sizes = [
+                "--start",
+                str(args.start),
+                "--step",
+                str(args.step),
+                "--limit",
+                str(args.limit),
+            ]
+            command = [sys.executable, __file__, "--worker", shape, variant, *sizes]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      timeout=args.timeout, check=False)  # fmt: skip
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+                tail = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else ["?"]
+                print(lines[0][7:] if lines else f"{shape} {variant}: error {tail[0][:200]}")
+            except subprocess.TimeoutExpired:
+                print(f"{shape} {variant}: timed out after {args.timeout:.0f} s")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
