@@ -17,6 +17,7 @@ from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
+from fusetune.ops.lm_head import HeadOutput
 from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
 from fusetune.ops.quant4 import dequantize_4bit
 from fusetune.ops.rms_norm import add_rms_norm, rms_norm
@@ -25,6 +26,7 @@ from fusetune.ops.rope import rope
 __version__ = "0.1.0"
 
 __all__ = [
+    "HeadOutput",
     "__version__",
     "add_rms_norm",
     "apply",

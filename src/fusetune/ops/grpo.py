@@ -19,6 +19,7 @@ import torch
 
 from fusetune import _utils
 from fusetune.ops import cross_entropy as ce
+from fusetune.ops import lm_head
 from fusetune.ops.linear_cross_entropy import (
     _Grads,
     _logit_chunks,
@@ -26,6 +27,7 @@ from fusetune.ops.linear_cross_entropy import (
     own_dtypes,
     scale_fused_grads,
 )
+from fusetune.ops.lm_head import HeadOutput
 from fusetune.reference import grpo as reference
 from fusetune.reference.cross_entropy import check_labels_in_range
 from fusetune.reference.linear_cross_entropy import matmul_dtype
@@ -64,9 +66,12 @@ def selective_log_softmax(
     logit_softcap: float | None = None,
     logit_scale: float | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+    return_top1: bool = False,
+) -> torch.Tensor | HeadOutput:
     """log softmax(z / temperature)[token_ids] with z = softcap(scale (hidden @ weight.T + bias)),
-    without materialising the logits.
+    without materialising the logits; optionally the entropy of softmax(z / temperature) and
+    whether each token is its argmax (top-1 match, for token accuracy), from the same pass.
 
     Args:
         hidden: [B, T, H] or [N, H], float32 / float16 / bfloat16.
@@ -77,12 +82,18 @@ def selective_log_softmax(
         logit_softcap, logit_scale: the model's own logit transforms (Gemma 2, Cohere), applied
             before the temperature.
         chunk_size: rows per chunk, as in :func:`fusetune.linear_cross_entropy`.
+        return_entropy, return_top1: also return the per-token entropy (fp32, differentiable:
+            its gradient joins the log-probs') and the top-1 match (bool; the first maximum,
+            as argmax: a tie with an earlier token does not count). Each costs one more read
+            of each chunk's logits in the forward, nothing when not asked for.
 
     Returns:
         float32 log-probs shaped like token_ids; differentiable in hidden, weight and bias
         (backward recomputes the logits chunk by chunk). Use it under torch.no_grad for the
         reference and old policies. Matmul precision follows
-        :func:`fusetune.linear_cross_entropy`.
+        :func:`fusetune.linear_cross_entropy`. With return_entropy or return_top1: a
+        :class:`fusetune.HeadOutput` (log_probs, entropy or None, is_top1 or None); an ignored
+        token (-100) has log-prob 0, entropy 0 and is_top1 False.
 
     Raises:
         TypeError: non-floating hidden/weight/bias, non-integer token_ids, float16 mixed with
@@ -97,12 +108,17 @@ def selective_log_softmax(
         temperature=temperature, logit_softcap=logit_softcap, logit_scale=logit_scale
     )
     reference.check_selective_log_softmax_args(hidden, weight, token_ids, bias, **logit_options)
+    extras = dict(return_entropy=return_entropy, return_top1=return_top1)
     if _utils.backend(hidden) == "reference":
         return reference.selective_log_softmax(
-            hidden, weight, token_ids, bias=bias, **logit_options
+            hidden, weight, token_ids, bias=bias, **logit_options, **extras
         )
     _check_ids_on_cpu(token_ids, weight.shape[0])
     scale, softcap = _fold_temperature(temperature, logit_scale, logit_softcap)
+    if return_entropy or return_top1:
+        return lm_head.head(hidden, weight, token_ids, bias, reference.IGNORED_TOKEN, scale,
+                            softcap, int(chunk_size or 0), return_entropy, return_top1,
+                            matmul_dtype(hidden, weight))  # fmt: skip
     negative = linear_cross_entropy(
         hidden, weight, token_ids, bias, ignore_index=reference.IGNORED_TOKEN, reduction="none",
         logit_scale=scale, logit_softcap=softcap, chunk_size=chunk_size,

@@ -13,6 +13,8 @@ and the loss is sum_t w_t L_t with the aggregation weights w of ``token_weights`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,16 @@ from fusetune.reference.linear_cross_entropy import check_lm_head, matmul_dtype
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IGNORED_TOKEN = -100  # HF's ignore label: such a token's log-prob is 0, with no gradient
+
+
+class HeadOutput(NamedTuple):
+    """Per-token outputs of :func:`fusetune.selective_log_softmax` with ``return_entropy`` or
+    ``return_top1``: fp32 log-probs, fp32 entropy (or None), bool top-1 match (or None)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    is_top1: torch.Tensor | None
+
 
 # ============================================================================ argument checks
 
@@ -147,7 +159,9 @@ def selective_log_softmax(
     logit_softcap: float | None = None,
     logit_scale: float | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+    return_top1: bool = False,
+):
     """Reference for :func:`fusetune.selective_log_softmax` (same signature and semantics;
     ``chunk_size`` has no effect here)."""
     check_selective_log_softmax_args(
@@ -168,10 +182,21 @@ def selective_log_softmax(
         logits = logits * logit_scale
     if logit_softcap is not None:
         logits = logit_softcap * torch.tanh(logits / logit_softcap)
-    log_probs = (logits / temperature).log_softmax(dim=-1)
+    logits = logits / temperature
+    log_probs = logits.log_softmax(dim=-1)
     ignored = token_ids == IGNORED_TOKEN
-    picked = log_probs.gather(-1, token_ids.masked_fill(ignored, 0).long().unsqueeze(-1))
-    return picked.squeeze(-1).masked_fill(ignored, 0.0)
+    safe_ids = token_ids.masked_fill(ignored, 0).long()
+    picked = log_probs.gather(-1, safe_ids.unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)
+    if not (return_entropy or return_top1):
+        return picked
+    entropy = None
+    if return_entropy:
+        probs = log_probs.exp()
+        entropy = -(probs * log_probs.masked_fill(probs == 0, 0.0)).sum(-1).masked_fill(ignored, 0)
+    is_top1 = None
+    if return_top1:  # argmax picks the first maximum
+        is_top1 = (logits.argmax(dim=-1) == safe_ids) & ~ignored
+    return HeadOutput(picked, entropy, is_top1)
 
 
 # ============================================================================ the loss
