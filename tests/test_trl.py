@@ -54,9 +54,11 @@ def word_tokenizer(vocab_size: int):
     )
 
 
-def sft_run(model, tmp_path, patch: bool):
-    """STEPS SFT steps in fp32 on pre-tokenized rows; (metrics per step, updates by name)."""
-    if patch:
+def sft_run(model, tmp_path, patch: bool | str):
+    """STEPS SFT steps in fp32 on pre-tokenized rows; (metrics per step, updates by name).
+    ``patch``: True applies fusetune to the model before the trainer exists (the backbone only:
+    TRL's head scores the tokens), "trainer" to the trainer (the backbone and TRL's head)."""
+    if patch is True:
         fusetune.apply(model)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     start = {n: p.detach().clone() for n, p in trainable.items()}
@@ -80,13 +82,17 @@ def sft_run(model, tmp_path, patch: bool):
     )
     tokenizer = word_tokenizer(model.config.vocab_size)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
-    trainer.train()
+    if patch == "trainer":
+        fusetune.apply(trainer)
+    try:
+        trainer.train()
+    finally:
+        if patch:
+            fusetune.revert(trainer if patch == "trainer" else model)
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == STEPS
     metrics = {name: torch.tensor([entry[name] for entry in logged]) for name in METRICS}
     updates = {n: (p.detach() - start[n]).float() for n, p in trainable.items()}
-    if patch:
-        fusetune.revert(model)
     return metrics, updates
 
 
@@ -112,3 +118,21 @@ def test_sft_trainer_matches_an_unpatched_run(kind, tmp_path, fused_calls, monke
     assert fused_calls["lora_qkv_validated"] == qkv_calls, fused_calls
     # TRL's own head computes the loss; ours would show here if TRL handed the labels on.
     assert fused_calls["linear_cross_entropy"] == 0, fused_calls
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_sft_trainer_with_fusetune_head_matches(kind, tmp_path):
+    """fusetune.apply(trainer): TRL's head (loss, entropy, token accuracy) comes from fusetune's
+    kernels; the logged metrics and updates are TRL's own in fp32."""
+    from fusetune.integrations import trl as trl_integration
+
+    maker = lora_model if kind == "lora" else tiny_model
+    model = maker("llama", num_hidden_layers=1)
+    want = sft_run(copy.deepcopy(model), tmp_path, patch=False)
+    calls = trl_integration.FusedHead.calls
+    got = sft_run(model, tmp_path, patch="trainer")
+    assert trl_integration.FusedHead.calls > calls
+    for name in METRICS:
+        assert_close(f"logged {name}", got[0][name], want[0][name], FP32_LOSS_TOL, atol=1e-7)
+    for name, update in want[1].items():
+        assert_close(f"update of {name}", got[1][name], update, FP32_UPDATE_TOL)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusetune.integrations import peft as peft_integration
+from fusetune.integrations import trl as trl_integration
 from fusetune.integrations._transformers_forwards import (
     FAMILIES,
     Family,
@@ -345,7 +346,9 @@ def apply(
     """Route a transformers causal LM through fusetune's kernels (see the module doc).
 
     Args:
-        model_or_model_type: a model type ("llama", ...) or a PreTrainedModel class: patches the
+        model_or_model_type: a TRL trainer (GRPOTrainer, SFTTrainer, ...): its models, and
+            TRL's fused LM head served by fusetune's kernels (:mod:`fusetune.integrations.trl`);
+            a model type ("llama", ...) or a PreTrainedModel class: patches the
             family's classes, so models built afterwards (from_pretrained) use fusetune, and
             live ones too; or a live model (a PeftModel / LoraModel or a torch.compile wrapper
             is searched for the transformers model inside): patches that instance only (and
@@ -374,6 +377,8 @@ def apply(
         lora=lora,
     )
     _check_options(options)
+    if trl_integration.is_trainer(model_or_model_type):
+        return trl_integration.apply(model_or_model_type, **options)
     family, _, model = _resolve(model_or_model_type)
     _check_transformers_version()
     if model is None:
@@ -388,7 +393,10 @@ def apply(
 def revert(model_or_model_type):
     """Undo :func:`apply`: for a model type or class, the family's classes and module
     function; for a model, every forward apply set on it (its own instance forwards come
-    back as they were) and the LoRA routing apply added. Returns the argument."""
+    back as they were) and the LoRA routing apply added; for a TRL trainer, its models and
+    TRL's LM head. Returns the argument."""
+    if trl_integration.is_trainer(model_or_model_type):
+        return trl_integration.revert(model_or_model_type)
     family, _, model = _resolve(model_or_model_type)
     if model is None:
         _revert_classes(family)

@@ -1,0 +1,166 @@
+"""fusetune.apply(trainer) under TRL's GRPOTrainer against unpatched TRL on the same prompts,
+seeds and rewards: per-step loss, every logged metric and the parameter updates in fp32.
+
+The head-only runs (``fusetune.apply(trainer, rms_norm=False, ...)``) leave generation exactly
+transformers' own, so both runs sample the same completions and every difference is the head's:
+they cover every loss type, both importance-sampling levels, the KL with a reference model and
+with PEFT's disabled-adapter reference, temperature, several iterations per generation with
+gradient accumulation, the entropy mask and bonus. The full-apply runs (backbone too) check that
+the whole model trains through fusetune. A spy counts the head calls fusetune served."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusetune
+from fusetune.integrations import trl as trl_integration
+from harness import ON_GPU, assert_close
+from test_transformers import ADAM_EPS, FP32_LOSS_TOL, FP32_UPDATE_TOL, lora_model, tiny_model
+from test_trl import word_tokenizer
+
+peft = pytest.importorskip("peft")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+STEPS = 2
+HEAD_ONLY = dict(rms_norm=False, rope=False, mlp=False, lora=False)
+# timings and counters that differ between any two runs
+UNCOMPARED = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+UNCOMPARED += ("total_flos", "epoch", "step", "num_tokens", "grad_norm", "learning_rate")
+
+
+def even_words(completions, **kwargs):
+    """A deterministic reward: the share of words ``t<even id>`` in the completion."""
+    rewards = []
+    for text in completions:
+        words = text.split() or ["t1"]
+        rewards.append(sum(int(w[1:]) % 2 == 0 for w in words if w[1:].isdigit()) / len(words))
+    return rewards
+
+
+def grpo_run(model, tmp_path, apply_options, **config):
+    """STEPS GRPO steps in fp32; (logged metrics per step, parameter updates, head calls).
+    With beta > 0 and no PEFT, TRL loads the reference model from the policy's name: a copy of
+    the initial weights saved under tmp_path."""
+    if config.get("beta", 0.0) > 0 and not isinstance(model, peft.PeftModel):
+        saved = tmp_path / "reference"
+        if not saved.exists():
+            model.save_pretrained(saved)
+        model.config._name_or_path = str(saved)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    start = {n: p.detach().clone() for n, p in trainable.items()}
+    prompts = datasets.Dataset.from_list([{"prompt": f"t{3 + i} t{9 + i}"} for i in range(8)])
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=5, max_steps=STEPS, learning_rate=1e-3, adam_epsilon=ADAM_EPS,
+        lr_scheduler_type="constant", weight_decay=0.0, bf16=False, use_cpu=not ON_GPU,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+        shuffle_dataset=False,
+    )  # fmt: skip
+    settings.update(config)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=[even_words], args=trl.GRPOConfig(**settings),
+        train_dataset=prompts, processing_class=word_tokenizer(model.config.vocab_size),
+    )  # fmt: skip
+    calls = trl_integration.FusedHead.calls
+    if apply_options is not None:
+        fusetune.apply(trainer, **apply_options)
+    try:
+        trainer.train()
+    finally:
+        if apply_options is not None:
+            fusetune.revert(trainer)
+    calls = trl_integration.FusedHead.calls - calls
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == STEPS, trainer.state.log_history
+    names = [k for k in logged[0] if k not in UNCOMPARED]
+    names = [k for k in names if all(isinstance(e.get(k), float | int) for e in logged)]
+    metrics = {k: torch.tensor([e[k] for e in logged], dtype=torch.float64) for k in names}
+    updates = {n: (p.detach() - start[n]).float() for n, p in trainable.items()}
+    return metrics, updates, calls
+
+
+def compare(want, got, metric_tol=FP32_LOSS_TOL):
+    assert got[0].keys() == want[0].keys()
+    for name, values in want[0].items():
+        assert_close(f"logged {name}", got[0][name], values, metric_tol, atol=1e-6)
+    for name, update in want[1].items():
+        assert_close(f"update of {name}", got[1][name], update, FP32_UPDATE_TOL, atol=1e-7)
+
+
+CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo-beta": dict(loss_type="bnpo", beta=0.05),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "dapo-temperature": dict(loss_type="dapo", temperature=0.7),
+    "cispo": dict(loss_type="cispo"),
+    "sapo": dict(loss_type="sapo"),
+    "luspo-sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "grpo-sequence-delta": dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5),
+    "vespo": dict(loss_type="vespo"),
+    "iterations-accumulation": dict(loss_type="dapo", num_iterations=2, steps_per_generation=2,
+                                    gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    "entropy-mask-bonus": dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01,
+                               mask_truncated_completions=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grpo_head_matches_trl(case, tmp_path):
+    """fusetune's head under every GRPO option: TRL's own numbers in fp32."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    want = grpo_run(copy.deepcopy(model), tmp_path, None, **CASES[case])
+    got = grpo_run(model, tmp_path, HEAD_ONLY, **CASES[case])
+    assert want[2] == 0 and got[2] > 0, (want[2], got[2])
+    compare(want, got)
+
+
+def test_grpo_lora_with_disabled_adapter_reference(tmp_path):
+    """A PEFT policy with beta > 0: the reference log-probs come from the same model with its
+    adapter disabled, through the same (fusetune) head."""
+    model = lora_model("llama", num_hidden_layers=1)
+    want = grpo_run(copy.deepcopy(model), tmp_path, None, beta=0.1)
+    got = grpo_run(model, tmp_path, HEAD_ONLY, beta=0.1)
+    assert got[2] > 0
+    compare(want, got)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_grpo_full_apply_trains(kind, tmp_path):
+    """fusetune.apply(trainer) with every part on: the backbone and the head. Generation now
+    runs fusetune's kernels too, so sampling could in principle diverge; the completions are
+    short and the logits agree to ~1e-7, and the run must match TRL's."""
+    maker = lora_model if kind == "lora" else tiny_model
+    model = maker("llama", num_hidden_layers=1)
+    want = grpo_run(copy.deepcopy(model), tmp_path, None, beta=0.05)
+    got = grpo_run(model, tmp_path, {}, beta=0.05)
+    assert got[2] > 0
+    compare(want, got)
+
+
+def test_unserved_outputs_fall_back_with_a_warning(monkeypatch):
+    calls = []
+
+    class Original:
+        @staticmethod
+        def apply(*args):
+            calls.append(args[-1])
+            return "trl"
+
+    monkeypatch.setitem(trl_integration._state, "original", Original)
+    monkeypatch.setitem(trl_integration._state, "warned", set())
+    hidden, weight = torch.randn(3, 8), torch.randn(16, 8)
+    targets = torch.tensor([1, 2, 3])
+    with pytest.warns(UserWarning, match="mean_logits"):
+        result = trl_integration.FusedHead.apply(hidden, weight, None, targets, 1.0, 32768, None,
+                                                 1.0, ("log_probs", "mean_logits"))  # fmt: skip
+    assert result == "trl" and calls == [("log_probs", "mean_logits")]
+
+
+def test_apply_needs_a_trainer():
+    with pytest.raises(TypeError, match="TRL trainer"):
+        trl_integration.apply(torch.nn.Linear(2, 2))
