@@ -160,8 +160,7 @@ def test_dequantize_matches_the_formula_and_bitsandbytes(quant_type, blocksize, 
     """Rows of 256: whole blocks per row (bitsandbytes 0.50's CPU kernel blocks each row on its
     own; its CUDA kernel and fusetune block the flat weight: the same where rows are whole
     blocks; see the partial-block test)."""
-    import bitsandbytes.functional as bnb_functional
-
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
     for dtype in (BF16, FP16, FP32):
         weight = bnb_weight((48, 256), dtype, quant_type, blocksize, nested)
         got = fusetune.dequantize_4bit(weight)
