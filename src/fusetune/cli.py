@@ -1,7 +1,8 @@
 """python -m fusetune COMMAND: the command-line entry point.
 
-Commands: finetune (supervised fine-tuning with fusetune applied) and bench (time ops, and
-'bench e2e' whole LoRA training steps, next to their peers).
+Commands: finetune (supervised fine-tuning with fusetune applied), grpo (RL through TRL's
+GRPOTrainer with fusetune applied) and bench (time ops, and 'bench e2e' / 'bench e2e-grpo' whole
+training steps, next to their peers).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 COMMANDS = {
     "finetune": "LoRA (or full) fine-tuning of a causal LM with fusetune applied",
+    "grpo": "GRPO (RL with verifiable rewards) through TRL's GRPOTrainer with fusetune applied",
     "bench": "time ops (or 'bench e2e': whole training steps) next to torch and peers",
 }
 
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from fusetune.finetune import main as finetune_main
 
         return finetune_main(rest)
+    if command == "grpo":
+        from fusetune.grpo import main as grpo_main
+
+        return grpo_main(rest)
     if rest[:1] == ["e2e-grpo"]:  # a GRPOTrainer optimisation step: its own runner
         from fusetune.bench.cases_e2e_grpo import main as e2e_grpo_main
 

@@ -1,0 +1,294 @@
+"""``python -m fusetune grpo``: GRPO (and DAPO, Dr. GRPO, GSPO, ...) with TRL's GRPOTrainer and
+fusetune applied to it (``fusetune.apply(trainer)``: the model's backbone and TRL's LM head).
+
+With no options: the built-in tiny Llama (random weights, byte tokenizer) on a small shipped
+arithmetic prompt set, rewarded for an exact answer and for answering in digits; about a minute
+on a CPU, nothing downloaded. The output folder (adapter or model, tokenizer, a run record) is
+written all at once at the end; bad input exits with status 2 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import fusetune
+from fusetune.finetune import models
+from fusetune.finetune.args import (
+    _non_negative_float,
+    _positive_float,
+    _positive_int,
+    resolve_device,
+)
+from fusetune.finetune.command import _add_lora, _release
+from fusetune.finetune.errors import FinetuneError
+from fusetune.finetune.output import MARKER, check_output, staged_output
+from fusetune.finetune.precision import CHOICES as PRECISIONS
+from fusetune.finetune.precision import bf16_supported, choose_precision
+from fusetune.finetune.progress import format_duration, format_memory, peak_memory
+from fusetune.grpo import data, rewards
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+DEFAULT_OUTPUT = "fusetune-grpo-output"
+SUMMARY_STEPS = 5  # steps averaged for the first / last mean reward
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fusetune grpo",
+        description="GRPO with TRL's GRPOTrainer and fusetune applied. With no options: a "
+        "built-in tiny model on built-in arithmetic prompts, a minute on a CPU.",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--model", default=models.DEFAULT_MODEL, help="hub id, local folder or tiny model"
+    )
+    parser.add_argument(
+        "--data", metavar="FILE.jsonl", help="{'prompt', 'answer'} lines (default: arithmetic)"
+    )
+    parser.add_argument("--reward", action="append", default=None, metavar="NAME",
+                        help=f"built-in ({', '.join(rewards.BUILTIN)}) or module:function; "
+                        f"repeatable (default: {' + '.join(rewards.DEFAULT)})")  # fmt: skip
+    parser.add_argument("--loss-type", choices=LOSS_TYPES, default="dapo")
+    parser.add_argument("--num-generations", type=_positive_int, default=4)
+    parser.add_argument("--max-completion-length", type=_positive_int, default=8)
+    parser.add_argument("--beta", type=_non_negative_float, default=0.0, help="KL coefficient")
+    parser.add_argument("--temperature", type=_positive_float, default=1.0)
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    parser.add_argument("--lora-r", type=_positive_int, default=16)
+    parser.add_argument("--lora-alpha", type=_positive_float, default=32.0)
+    parser.add_argument("--steps", type=_positive_int, default=30)
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=16, help="completions a step (16)"
+    )
+    parser.add_argument(
+        "--lr", type=_positive_float, help="default 1e-5; tiny models 2e-2 LoRA, 3e-3 full"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument(
+        "--compare", action="store_true", help="first the same run without fusetune"
+    )
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size % args.num_generations:
+        parser.error(
+            f"argument --batch-size: {args.batch_size} is not a multiple of --num-generations "
+            f"{args.num_generations}"
+        )
+    if args.num_generations < 2:
+        parser.error("argument --num-generations: GRPO compares at least 2 completions a prompt")
+    args.device = resolve_device(args.device)
+    if args.lr is None:
+        tiny = args.model in models.TINY_MODELS
+        args.lr = (3e-3 if args.full else 2e-2) if tiny else 1e-5
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse(argv)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*")
+            return run(args)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    except FinetuneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output(Path(args.output))
+    prompts, data_name = data.load_prompts(args.data)
+    reward_functions = [rewards.resolve(name) for name in (args.reward or rewards.DEFAULT)]
+    spec = models.resolve(args.model)
+    precision = choose_precision(args.precision, args.device.type, bf16_supported(args.device))
+    tokenizer = tiny_tokenizer() if spec.tiny else _hf_tokenizer(spec)
+    mode = "full" if args.full else f"LoRA r={args.lora_r} alpha={args.lora_alpha:g}"
+    print(f"model: {spec.name} ({spec.family}), {mode}; data: {data_name}, {len(prompts)} "
+          f"prompts; rewards: {', '.join(args.reward or rewards.DEFAULT)}; {args.loss_type}, "
+          f"{args.num_generations} generations, beta {args.beta:g}; {precision.describe()}",
+          file=sys.stderr)  # fmt: skip
+    runs = []
+    if args.compare:
+        runs.append(train_once(args, spec, precision, tokenizer, prompts, reward_functions, False))
+    fused = train_once(args, spec, precision, tokenizer, prompts, reward_functions, True)
+    runs.append(fused)
+    saved = save(args, spec, fused.pop("trainer"), tokenizer, runs)
+    for result in runs:
+        result.pop("trainer", None)
+        print(format_run(result))
+    print(f"saved: {saved}")
+    return 0
+
+
+def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fused: bool) -> dict:
+    import datasets
+    import transformers
+    import trl
+
+    _release(args.device)
+    model = models.build(spec, precision.weight_dtype(args.full), args.device, args.seed)
+    model = model.requires_grad_(True) if args.full else _add_lora(model, args)
+    label = ("TRL + fusetune" if fused else "TRL") + (" (full)" if args.full else " + PEFT")
+    config = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="fusetune-grpo-"), max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
+        temperature=args.temperature, loss_type=args.loss_type, seed=args.seed,
+        bf16=precision.name == "bf16", fp16=precision.name == "fp16",
+        use_cpu=args.device.type == "cpu", logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward_functions, args=config,
+        train_dataset=datasets.Dataset.from_list(prompts), processing_class=tokenizer,
+    )  # fmt: skip
+    if fused:
+        fusetune.apply(trainer)
+    progress = Progress(args.steps, label, args.device)
+    trainer.remove_callback(transformers.PrinterCallback)  # our progress line instead
+    trainer.add_callback(progress)
+    start = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        progress.close()
+        if fused:
+            fusetune.revert(trainer)
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    memory, kind = peak_memory(args.device)
+    return dict(
+        label=label,
+        seconds=time.perf_counter() - start,
+        rewards=[e["reward"] for e in logs],
+        kl=[e.get("kl", 0.0) for e in logs],
+        tokens=progress.tokens,
+        peak_memory=format_memory(memory, kind),
+        trainer=trainer,
+    )
+
+
+class Progress:
+    """A TRL/transformers callback printing one line a step (about ten over a run when not a
+    terminal): reward, kl, clip ratio, tokens/s, peak memory, time."""
+
+    def __init__(self, total: int, label: str, device: torch.device):
+        self.total, self.label, self.device = total, label, device
+        self.start = time.perf_counter()
+        self.tokens = 0
+        self.tty = sys.stderr.isatty()
+        self.every = max(1, total // 10)
+
+    def __getattr__(self, name: str):  # the other TrainerCallback events: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs:
+            return
+        self.tokens = int(logs.get("num_tokens", self.tokens))
+        step, elapsed = state.global_step, time.perf_counter() - self.start
+        memory = format_memory(*peak_memory(self.device))
+        clip = logs.get("clip_ratio/region_mean", logs.get("cispo_clip_ratio", 0.0))
+        line = (f"{self.label} {step}/{self.total} reward {logs['reward']:.3f} kl "
+                f"{logs.get('kl', 0.0):.4f} clip {clip:.3f} | {self.tokens / elapsed:,.0f} tok/s "
+                f"| peak {memory} | {format_duration(elapsed)}")  # fmt: skip
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line)
+        elif step == 1 or step % self.every == 0 or step == self.total:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def format_run(result: dict) -> str:
+    rewards_seen = result["rewards"] or [float("nan")]
+    first = statistics.fmean(rewards_seen[:SUMMARY_STEPS])
+    last = statistics.fmean(rewards_seen[-SUMMARY_STEPS:])
+    speed = result["tokens"] / result["seconds"]
+    return (f"{result['label']}: mean reward {first:.3f} over the first {SUMMARY_STEPS} steps -> "
+            f"{last:.3f} over the last {SUMMARY_STEPS}; {speed:,.0f} tokens/s; peak "
+            f"{result['peak_memory']}; {format_duration(result['seconds'])}")  # fmt: skip
+
+
+def save(args, spec, trainer, tokenizer, runs) -> str:
+    output = Path(args.output)
+    with staged_output(output) as staging:
+        trainer.model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        options = {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()}
+        record = {
+            "fusetune_version": fusetune.__version__, "command": "grpo", "model": spec.name,
+            "args": options, "runs": [{k: v for k, v in r.items() if k != "trainer"} for r in runs],
+        }  # fmt: skip
+        (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        files = sorted(p.name for p in staging.iterdir())
+    return f"{output}/ ({', '.join(files)})"
+
+
+def tiny_tokenizer():
+    """The byte tokenizer of the built-in tiny models as a transformers tokenizer (TRL needs
+    one): ids 0-255 are the bytes, 256/257/258 pad, BOS and EOS, as in
+    :class:`fusetune.finetune.tokenizers.ByteTokenizer`."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) <= set(alphabet)
+    vocab.update({"<pad>": 256, "<s>": 257, "</s>": 258})
+    backend = Tokenizer(tokenizer_models.BPE(vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the ByteLevel pre-tokenizer's)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _hf_tokenizer(spec):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(spec.name)
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(f"--model {spec.name!r}: no usable tokenizer: {exc}") from None

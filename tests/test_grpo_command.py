@@ -1,0 +1,75 @@
+"""``python -m fusetune grpo``: the default run learns (its mean reward rises) and writes its
+output all at once; bad input exits 2 with one message and writes nothing. The default run is a
+subprocess without the interpreter switch, as a user runs it (on the CPU: fusetune's reference
+path; on a GPU: the kernels)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from fusetune.grpo import main, rewards
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+
+def test_default_run_learns_and_saves(tmp_path):
+    output = tmp_path / "out"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("FUSETUNE_INTERPRET", "TRITON_INTERPRET")
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "fusetune", "grpo", "--steps", "20", "--output", str(output)],
+        capture_output=True, text=True, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = re.search(
+        r"TRL \+ fusetune \+ PEFT: mean reward ([\d.]+) .* -> ([\d.]+)", done.stdout
+    )
+    assert summary, done.stdout
+    first, last = map(float, summary.groups())
+    assert last > first + 0.2, done.stdout
+    assert "reward" in done.stderr and "tok/s" in done.stderr  # the progress line
+    files = {p.name for p in output.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= files
+    record = json.loads((output / "fusetune_finetune.json").read_text())
+    assert record["command"] == "grpo" and len(record["runs"][0]["rewards"]) == 20
+
+
+def test_rewards():
+    assert rewards.exact_answer(["1+1="], ["2 apples", "x"], answer=["2", "2"])[0] == 1.0
+    assert rewards.exact_answer(["1+1="], ["-3"], answer=["3"]) == [0.0]
+    assert rewards.digits([""], ["12ab", ""]) == [0.5, 0.0]
+    assert rewards.resolve("os.path:join") is os.path.join
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--data", "missing.jsonl"], "no such file"),
+        (["--data", "{bad}"], "line 1: not JSON"),
+        (["--data", "{no_prompt}"], "needs a string 'prompt'"),
+        (["--reward", "nope"], "not a built-in reward"),
+        (["--reward", "no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
+        (["--reward", "os.path:nothing_here"], "has no function 'nothing_here'"),
+        (["--batch-size", "6", "--num-generations", "4"], "not a multiple of --num-generations"),
+        (["--loss-type", "ppo"], "invalid choice"),
+        (["--model", "./no/such/folder"], "no such model folder"),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(argv, message, tmp_path, capsys):
+    data_files = {"{bad}": "{not json\n", "{no_prompt}": '{"answer": "1"}\n'}
+    if argv[:1] == ["--data"] and argv[1] in data_files:
+        path = tmp_path / "data.jsonl"
+        path.write_text(data_files[argv[1]])
+        argv = ["--data", str(path)]
+    output = tmp_path / "out"
+    assert main([*argv, "--output", str(output)]) == 2
+    assert message in capsys.readouterr().err
+    assert not output.exists()
