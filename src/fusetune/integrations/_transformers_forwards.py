@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -174,19 +175,59 @@ def _keep_positions_function() -> Callable:
     return slice_logits_to_keep
 
 
-def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's lm_head when the fused loss can stand in for it: an nn.Linear with no hooks
-    and no forward of its own (a PEFT LoRA or modules_to_save wrapper, or an accelerate
-    offload hook, keeps transformers' path)."""
+def head_route(model: torch.nn.Module) -> tuple[torch.nn.Linear | None, bool, str | None]:
+    """(lm_head, inside, reason) for the fused loss. ``inside``: the loss must run inside the
+    head module's own call, so that the hooks a sharding engine put on it fire (FSDP2's
+    ``fully_shard`` of the head, which swaps its class; DeepSpeed ZeRO-3's parameter hooks):
+    they gather the weight before, free it after, and route its gradient to the engine's
+    reduction. ``reason`` says why the fused loss cannot apply (head None): a head with a
+    forward of its own (PEFT LoRA or modules_to_save), an accelerate offload hook, no Linear."""
     head = getattr(model, "lm_head", None)
-    if (
-        type(head) is not torch.nn.Linear
-        or head._forward_hooks
-        or head._forward_pre_hooks
-        or "forward" in head.__dict__
-    ):
-        return None
-    return head
+    if not isinstance(head, torch.nn.Linear):
+        return None, False, f"lm_head is {type(head).__name__}, not an nn.Linear"
+    if "forward" in head.__dict__ or hasattr(head, "_hf_hook"):
+        return None, False, "lm_head has a forward of its own (an accelerate hook or a wrapper)"
+    if type(head) is not torch.nn.Linear and type(head).forward is not torch.nn.Linear.forward:
+        return None, False, f"lm_head is a {type(head).__name__} with its own forward"
+    if _sharded(head):
+        return head, True, None
+    if head._forward_hooks or head._forward_pre_hooks:
+        return None, False, "lm_head has forward hooks that are not FSDP2's or ZeRO-3's"
+    if type(head) is not torch.nn.Linear:
+        return None, False, f"lm_head is a {type(head).__name__}, not a plain nn.Linear"
+    return head, False, None
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """FSDP2's ``fully_shard`` applied to the module itself, or a DeepSpeed ZeRO-3 parameter."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()  # noqa: N806
+    return isinstance(module, FSDPModule) or hasattr(module.weight, "ds_id")
+
+
+def _warn_fallback(model: torch.nn.Module, reason: str) -> None:
+    """One warning per model and reason: the fused loss is not used."""
+    warned = model.__dict__.setdefault("_fusetune_fallback_warned", set())
+    if reason not in warned:
+        warned.add(reason)
+        warnings.warn(
+            f"fusetune: {type(model).__name__} computes its loss through transformers' logits "
+            f"path, not fusetune's fused linear cross-entropy: {reason}",
+            stacklevel=3,
+        )
+
+
+def run_inside(module: torch.nn.Module, function: Callable, *args):
+    """``function(*args)`` as ``module``'s forward for one call: the module's hooks (an
+    engine's weight gathering, its gradient hooks) run around it as around its own forward.
+    ``function`` reads the module's parameters while they are gathered."""
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 def causal_lm_forward(family: Family, original: Callable) -> Callable:
@@ -211,11 +252,14 @@ def causal_lm_forward(family: Family, original: Callable) -> Callable:
         kwargs.update(zip(names, args, strict=False))
         skip_logits = kwargs.pop("skip_logits", None)
         wanted = self.training if skip_logits is None else skip_logits
-        head = plain_head(self)
-        if kwargs.get("labels") is None or not wanted or head is None:
+        if kwargs.get("labels") is None or not wanted:
+            return original(self, **kwargs)
+        head, inside, reason = head_route(self)
+        if head is None:
+            _warn_fallback(self, reason)
             return original(self, **kwargs)
         return _fused_loss_forward(
-            family, self, head, keep_positions, CausalLMOutputWithPast, **kwargs
+            family, self, head, inside, keep_positions, CausalLMOutputWithPast, **kwargs
         )
 
     return forward
@@ -225,6 +269,7 @@ def _fused_loss_forward(
     family: Family,
     model,
     head: torch.nn.Linear,
+    inside: bool,
     keep_positions: Callable,
     output_class: type,
     labels: torch.Tensor,
@@ -240,17 +285,23 @@ def _fused_loss_forward(
     hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
     shift_labels = kwargs.get("shift_labels")
     targets = labels if shift_labels is None else shift_labels
-    loss = linear_cross_entropy(
-        hidden,
-        head.weight,
-        targets.to(hidden.device),
-        head.bias,
-        shift=shift_labels is None,
-        ignore_index=kwargs.get("ignore_index", -100),
-        logit_softcap=getattr(model.config, family.logit_softcap) if family.logit_softcap else None,
-        logit_scale=getattr(model, family.logit_scale) if family.logit_scale else None,
-        num_items=kwargs.get("num_items_in_batch"),
-    )
+
+    def loss_of(hidden: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(
+            hidden,
+            head.weight,
+            targets.to(hidden.device),
+            head.bias,
+            shift=shift_labels is None,
+            ignore_index=kwargs.get("ignore_index", -100),
+            logit_softcap=getattr(model.config, family.logit_softcap)
+            if family.logit_softcap
+            else None,
+            logit_scale=getattr(model, family.logit_scale) if family.logit_scale else None,
+            num_items=kwargs.get("num_items_in_batch"),
+        )
+
+    loss = run_inside(head, loss_of, hidden) if inside else loss_of(hidden)
     output = output_class(
         loss=loss,
         logits=None,

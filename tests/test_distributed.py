@@ -1,0 +1,110 @@
+"""fusetune.apply under FSDP2 at 2 ranks against one process on the same batches: per-step
+losses and final parameters in fp32, the fused loss on every step (never transformers' logits
+path: that path warns, and a warning fails these runs), with the lm_head in the root group or
+sharded on its own (as torchtitan does), resharded after forward or not.
+
+Gloo on the CPU (FSDP2 runs there; fusetune's ops run through the interpreter), NCCL on a
+machine with 2 GPUs. DeepSpeed ZeRO-3 runs the same check on the GPU machine
+(tools/gpu_distributed.sh), where deepspeed is carried."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fusetune
+from fusetune.integrations import _transformers_forwards as forwards
+from harness import assert_close
+from test_transformers import ADAM_EPS, LR, tiny_model
+
+pytest.importorskip("transformers")
+WORLD, STEPS, BATCH, SEQ = 2, 3, 4, 8
+NCCL = torch.cuda.device_count() >= WORLD
+BACKEND = "nccl" if NCCL else "gloo"
+
+
+def batches(vocab: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def train(model, steps, device, rank=0, world=1):
+    """AdamW steps, each on this rank's rows of the batch; (losses averaged over ranks)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
+    losses = []
+    for ids in steps:
+        rows = ids.chunk(world)[rank].to(device)
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+def worker(rank: int, layout: str, reshard: bool, init_file: str, results: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(BACKEND, init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False).to(device)
+    fusetune.apply(model)
+    calls = []
+    fused = forwards.linear_cross_entropy
+    forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    if layout == "head":
+        fully_shard(model.lm_head, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fallback to the logits path warns
+        warnings.filterwarnings("ignore", ".*TensorFloat32.*")
+        losses = train(model, batches(model.config.vocab_size), device, rank, WORLD)
+    params = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"losses": losses, "params": params, "calls": len(calls)}, results)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout,reshard", [("root", True), ("head", True), ("head", False)],
+                         ids=["root", "head-sharded", "head-sharded-no-reshard"])  # fmt: skip
+def test_fsdp2_matches_one_process(layout, reshard, tmp_path):
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False).cpu()
+    want_model = copy.deepcopy(model)
+    fusetune.apply(want_model)
+    want = train(want_model, batches(model.config.vocab_size), torch.device("cpu"))
+    results = tmp_path / "rank0.pt"
+    mp.spawn(worker, args=(layout, reshard, str(tmp_path / "init"), str(results)),
+             nprocs=WORLD, join=True)  # fmt: skip
+    got = torch.load(results)
+    assert got["calls"] == STEPS, got["calls"]  # every step's loss is the fused one
+    assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want), 1e-5)
+    for name, param in want_model.named_parameters():
+        assert_close(f"param {name}", got["params"][name], param.detach(), 1e-5)
+
+
+def test_unsupported_head_warns_once():
+    """No silent fallback: a head fusetune cannot read warns once, naming why."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    fusetune.apply(model)
+    model.lm_head.register_forward_hook(lambda module, args, output: None)
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), device=model.device)
+    with pytest.warns(UserWarning, match="forward hooks that are not FSDP2's or ZeRO-3's"):
+        model(input_ids=ids, labels=ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids, labels=ids)  # once
+    fusetune.revert(model)
