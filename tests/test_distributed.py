@@ -10,6 +10,7 @@ machine with 2 GPUs. DeepSpeed ZeRO-3 runs the same check on the GPU machine
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -108,3 +109,60 @@ def test_unsupported_head_warns_once():
         warnings.simplefilter("error")
         model(input_ids=ids, labels=ids)  # once
     fusetune.revert(model)
+
+
+def zero3_worker(rank: int, port: int, results: str) -> None:
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl")
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False)
+    fusetune.apply(model)
+    calls = []
+    fused = forwards.linear_cross_entropy
+    forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH // WORLD,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "weight_decay": 0.01,
+                                                  "torch_adam": True}},
+    }  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)  # fmt: skip
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", ".*TensorFloat32.*|.*deprecated.*")
+        for ids in batches(model.config.vocab_size):
+            rows = ids.chunk(WORLD)[rank].cuda()
+            loss = engine(input_ids=rows, labels=rows).loss
+            engine.backward(loss)
+            engine.step()
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            losses.append(loss.item() / WORLD)
+    params = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            params[name] = param.detach().cpu().clone()
+    if rank == 0:
+        torch.save({"losses": losses, "params": params, "calls": len(calls)}, results)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not NCCL, reason="DeepSpeed ZeRO-3 runs on 2 GPUs (tools/gpu_distributed.sh)")
+def test_zero3_matches_one_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False)
+    want_model = copy.deepcopy(model)
+    fusetune.apply(want_model)
+    want = train(want_model, batches(model.config.vocab_size), want_model.device)
+    results = tmp_path / "rank0.pt"
+    mp.spawn(zero3_worker, args=(29517, str(results)), nprocs=WORLD, join=True)
+    got = torch.load(results)
+    assert got["calls"] == STEPS, got["calls"]
+    assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want), 1e-5)
+    for name, param in want_model.named_parameters():
+        assert_close(f"param {name}", got["params"][name], param.detach().cpu(), 1e-4)
