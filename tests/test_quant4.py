@@ -168,7 +168,11 @@ def test_dequantize_matches_the_formula_and_bitsandbytes(quant_type, blocksize, 
         assert got.dtype == dtype and got.shape == (48, 256)
         assert_close("dequantised", got, exact, tolerance(dtype))
         want = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
-        assert torch.equal(got, want), (got - want).abs().max()
+        if nested and dtype == FP32 and DEVICE.type == "cuda":
+            # bitsandbytes' CUDA kernel rounds the nested scale its own way (1 ulp in fp32)
+            assert_close("against bitsandbytes", got, want, 2e-7)
+        else:
+            assert torch.equal(got, want), (got - want).abs().max()
         assert torch.equal(got, reference.dequantize_4bit(weight))
         assert fusetune.dequantize_4bit(weight, FP32).dtype == FP32
 
