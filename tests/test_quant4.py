@@ -248,3 +248,28 @@ def test_peft_qlora_layers_route_through_fusetune(monkeypatch):
             assert got_grads[name].dtype == grad.dtype, name
             assert_close(f"grad {name}", got_grads[name], grad, 2 * tolerance(BF16))
     assert calls == {"qkv": 1, "mlp": 1}, calls
+
+
+def test_finetune_load_in_4bit_trains_and_saves_a_peft_adapter(tmp_path, monkeypatch, capsys):
+    """finetune --load-in-4bit: the base's linear layers become NF4 Linear4bit, every LoRA layer
+    goes through fusetune's ops (none stays on PEFT's path), and the adapter loads onto the
+    16-bit base with PEFT."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from fusetune.finetune import main, models
+
+    calls = []
+    mlp = integration.lora_mlp_validated
+    monkeypatch.setattr(integration, "lora_mlp_validated",
+                        lambda *a: calls.append(1) or mlp(*a))  # fmt: skip
+    output = tmp_path / "qlora"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*stays on PEFT's path.*")
+        argv = ["--load-in-4bit", "--steps", "2", "--batch-size", "2", "--seq-len", "32"]
+        code = main([*argv, "--output", str(output)])
+    out = capsys.readouterr().out
+    assert code == 0 and "NF4 4-bit base (QLoRA)" in out
+    assert len(calls) == 2 * 2  # one fused LoRA MLP per layer and step
+    base = models.build(models.resolve("tiny-llama"), torch.float32, torch.device("cpu"), seed=0)
+    loaded = peft.PeftModel.from_pretrained(base, str(output))
+    assert sum("lora_B" in n for n, _ in loaded.named_parameters()) == 2 * 7

@@ -55,3 +55,10 @@ for name, weights in (("dense bf16 base", dense), ("4-bit NF4 base", quantised))
     ms = triton.testing.do_bench(step, warmup=50, rep=500)
     print(f"LoRA MLP {N} tok {H}->{I}->{H} r{R}, {name}: {ms:.2f} ms, peak extra {peak:.3f} GiB")
 PY
+# The QLoRA training step (tools/bench_qlora.py): HF+PEFT+bitsandbytes against + fusetune.
+for shape in llama-3.2-1b llama-8b; do
+  for variant in hf fusetune; do
+    timeout 150 python3 tools/bench_qlora.py --shape $shape --variant $variant 2>&1 \
+      | tee -a "$OUT/qlora-step.log" | grep -E "RESULT|Error" | tail -1
+  done
+done

@@ -95,7 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument(
         "--max-grad-norm", type=_non_negative_float, default=1.0, help="clip; 0: off (1.0)"
     )
-    how.add_argument("--gradient-checkpointing", action="store_true")
+    how.add_argument(
+        "--gradient-checkpointing",
+        nargs="?",
+        const="on",
+        choices=["on", "offload"],
+        default=None,
+        help="recompute each layer in backward; 'offload' also keeps the layer inputs in "
+        "pinned host memory (long context)",
+    )
+    how.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="QLoRA: quantise the base's linear layers to NF4 (bitsandbytes' format, double "
+        "quantisation) at load; LoRA only; needs bitsandbytes",
+    )
     how.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     how.add_argument(
         "--precision",
@@ -119,6 +133,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.seq_len < 2:
         build_parser().error("argument --seq-len: needs at least 2 tokens (one input, one label)")
+    if args.load_in_4bit and args.full:
+        build_parser().error(
+            "argument --load-in-4bit: a 4-bit base is frozen; use LoRA, not --full"
+        )
     args.device = resolve_device(args.device)
     if args.lr is None:
         args.lr = DEFAULT_LR[(args.model in TINY_MODELS, args.full)]

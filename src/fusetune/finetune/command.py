@@ -97,6 +97,8 @@ def describe(plan: Plan) -> dict[str, str]:
         if args.full
         else (f"LoRA r={args.lora_r} alpha={args.lora_alpha:g} on all linear layers")
     )
+    if args.load_in_4bit:
+        mode += ", NF4 4-bit base (QLoRA)"
     dropped = f", {plan.dropped} dropped (no completion within --seq-len)" if plan.dropped else ""
     where = str(args.device)
     if args.device.type == "cpu":
@@ -108,7 +110,11 @@ def describe(plan: Plan) -> dict[str, str]:
         "precision": plan.precision.describe(),
         "steps": f"{args.steps} x {args.batch_size} sequences x {args.grad_accum} accumulated, "
         f"seq-len <= {args.seq_len}, lr {args.lr:g}"
-        + (", gradient checkpointing" if args.gradient_checkpointing else ""),
+        + (
+            f", gradient checkpointing ({args.gradient_checkpointing})"
+            if args.gradient_checkpointing
+            else ""
+        ),
     }
 
 
@@ -117,7 +123,13 @@ def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
     args = plan.args
     _release(args.device)
     model = models.build(plan.spec, plan.precision.weight_dtype(args.full), args.device, args.seed)
-    if args.gradient_checkpointing:
+    if args.load_in_4bit:
+        models.quantize_4bit(model)
+    if args.gradient_checkpointing == "offload":
+        from fusetune.integrations.checkpointing import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model)
+    elif args.gradient_checkpointing:
         _enable_checkpointing(model)
     model = _add_lora(model, args) if not args.full else model.requires_grad_(True)
     base = "HF" if args.full else "HF + PEFT"

@@ -146,3 +146,35 @@ def tokenizer(spec: ModelSpec) -> ByteTokenizer | HFTokenizer:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def quantize_4bit(model: Any) -> Any:
+    """QLoRA's base: every nn.Linear of the decoder (not the lm_head) replaced in place by a
+    bitsandbytes ``Linear4bit`` holding its weight in NF4 (blocksize 64, double quantisation),
+    computing in the weight's dtype; fusetune's LoRA ops read it through
+    :func:`fusetune.dequantize_4bit`. Raises FinetuneError without bitsandbytes."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise FinetuneError(
+            "--load-in-4bit needs bitsandbytes: pip install 'fusetune[qlora]'"
+        ) from None
+    head = model.get_output_embeddings()
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is not torch.nn.Linear or child is head:
+                continue
+            dtype, device = child.weight.dtype, child.weight.device
+            layer = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
+            )  # fmt: skip
+            weight = bnb.nn.Params4bit(
+                child.weight.data.cpu(), requires_grad=False, quant_type="nf4",
+                compress_statistics=True,
+            )  # fmt: skip
+            layer.weight = weight._quantize("cpu") if device.type == "cpu" else weight.to(device)
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(module, child_name, layer)
+    return model
