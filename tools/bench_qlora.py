@@ -17,23 +17,14 @@ import torch
 from fusetune.bench import cases_e2e
 from fusetune.finetune.models import quantize_4bit
 
-SHAPES = {
-    **cases_e2e.SHAPES,
-    "llama-8b": cases_e2e.Shape(
-        "Llama-3-8B",
-        "llama",
-        dict(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            rms_norm_eps=1e-5,
-        ),
-        batch=2,
-    ),  # fmt: skip
-}
+LLAMA_8B = cases_e2e.Shape(
+    "Llama-3-8B", "llama",
+    dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1 << 20,
+         rms_norm_eps=1e-5),
+    batch=2,
+)  # fmt: skip
+SHAPES = {**cases_e2e.SHAPES, "llama-8b": LLAMA_8B}
 
 
 def main() -> None:

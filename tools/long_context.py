@@ -17,27 +17,11 @@ import sys
 import time
 
 import torch
+from bench_qlora import LLAMA_8B  # tools/ is on sys.path when run as a script
 
 from fusetune.bench import cases_e2e
 
-SHAPES = {
-    **cases_e2e.SHAPES,
-    "llama-8b": cases_e2e.Shape(
-        "Llama-3-8B",
-        "llama",
-        dict(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=1 << 20,
-            rms_norm_eps=1e-5,
-        ),  # fmt: skip
-        batch=1,
-    ),
-}
+SHAPES = {**cases_e2e.SHAPES, "llama-8b": LLAMA_8B}
 VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+offload")
 
 
