@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import fusetune
-from fusetune.finetune import data, models
+from fusetune.finetune import data, distributed, models
 from fusetune.finetune.args import parse
 from fusetune.finetune.errors import FinetuneError
 from fusetune.finetune.output import MARKER, check_output, staged_output
@@ -63,30 +63,42 @@ def prepare(args: argparse.Namespace) -> Plan:
     precision = choose_precision(args.precision, device.type, bf16_supported(device))
     encoder = models.tokenizer(spec)
     encoded, dropped = data.encode_all(examples, encoder, args.seq_len)
-    micro = data.make_batches(
-        encoded, args.batch_size, args.steps * args.grad_accum, encoder.pad_id, args.seed
+    size, rank = args.batch_size, args.ranks.rank
+    micro = data.make_batches(  # every rank draws the same global batches, then keeps its rows
+        encoded, size * args.ranks.world, args.steps * args.grad_accum, encoder.pad_id, args.seed
     )
+    if args.ranks.world > 1:
+        micro = [data.rows(batch, rank * size, (rank + 1) * size) for batch in micro]
     steps = [micro[i : i + args.grad_accum] for i in range(0, len(micro), args.grad_accum)]
     return Plan(args, spec, precision, encoder, steps, data_name, len(examples), dropped)
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = prepare(args)
-    lines = describe(plan)
-    for key, value in lines.items():
-        print(f"{key}: {value}", file=sys.stderr)
-    baseline = None
-    if args.compare:
-        baseline, model = train_once(plan, fused=False)
-        del model
-    result, model = train_once(plan, fused=True)
-    saved = save(plan, model, [r for r in (baseline, result) if r is not None])
-    lines["saved"] = saved
-    print(format_summary(result, lines))
-    if baseline is not None:
-        print()
-        print(format_comparison(baseline, result))
-    return 0
+    args.ranks, args.device = distributed.setup(args.device)
+    try:
+        if args.ranks.world > 1 and args.load_in_4bit:
+            raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
+        plan = prepare(args)
+        lines = describe(plan)
+        main_rank = args.ranks.main
+        for key, value in lines.items():
+            if main_rank:
+                print(f"{key}: {value}", file=sys.stderr)
+        baseline = None
+        if args.compare:
+            baseline, model = train_once(plan, fused=False)
+            del model
+        result, model = train_once(plan, fused=True)
+        saved = save(plan, model, [r for r in (baseline, result) if r is not None])
+        lines["saved"] = saved
+        if main_rank:
+            print(format_summary(result, lines))
+            if baseline is not None:
+                print()
+                print(format_comparison(baseline, result))
+        return 0
+    finally:
+        distributed.finish(args.ranks)
 
 
 def describe(plan: Plan) -> dict[str, str]:
@@ -138,8 +150,11 @@ def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
 
         hf_integration.apply(model)
     label = f"{base} + fusetune" if fused else base
-    settings = TrainSettings(args.lr, args.max_grad_norm, plan.precision, args.device)
-    progress = ProgressBar(args.steps, label)
+    if args.ranks.world > 1:
+        distributed.shard(model)
+        label += f" on {args.ranks.world} ranks (FSDP2)"
+    settings = TrainSettings(args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks)
+    progress = ProgressBar(args.steps, label) if args.ranks.main else None
     return train(model, plan.steps, settings, label, progress), model
 
 
@@ -182,8 +197,11 @@ def save(plan: Plan, model: torch.nn.Module, results: list[RunResult]) -> str:
     from fusetune.integrations import transformers as hf_integration
 
     hf_integration.revert(model)  # save transformers' own modules, as any checkpoint
+    state = distributed.full_state_dict(model, args.ranks)  # every rank takes part
+    if not args.ranks.main:
+        return ""
     with staged_output(output) as staging:
-        model.save_pretrained(str(staging))
+        model.save_pretrained(str(staging), state_dict=state)
         plan.encoder.save(staging)
         record = {
             "fusetune_version": fusetune.__version__,
@@ -193,7 +211,8 @@ def save(plan: Plan, model: torch.nn.Module, results: list[RunResult]) -> str:
             "precision": plan.precision.name,
             "data": plan.data_name,
             "args": {
-                k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()
+                k: str(v) if isinstance(v, torch.device | distributed.Ranks) else v
+                for k, v in vars(args).items()
             },
             "runs": [r.as_dict() for r in results],
         }

@@ -246,3 +246,15 @@ def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
         tokens=int(attention_mask.sum()),
         label_count=int((labels[:, 1:] != IGNORE_INDEX).sum()),
     )
+
+
+def rows(batch: Batch, start: int, stop: int) -> Batch:
+    """Rows [start, stop) of a micro-batch (a rank's share), its counts recomputed."""
+    labels, mask = batch.labels[start:stop], batch.attention_mask[start:stop]
+    return Batch(
+        input_ids=batch.input_ids[start:stop],
+        attention_mask=mask,
+        labels=labels,
+        tokens=int(mask.sum()),
+        label_count=int((labels[:, 1:] != IGNORE_INDEX).sum()),
+    )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fusetune.finetune.data import Batch
+from fusetune.finetune.distributed import Ranks, all_sum
 from fusetune.finetune.precision import Precision
 from fusetune.finetune.progress import ProgressBar, format_memory, peak_memory
 
@@ -56,6 +57,7 @@ class TrainSettings:
     max_grad_norm: float
     precision: Precision
     device: torch.device
+    ranks: Ranks = Ranks()
 
 
 def train(
@@ -110,7 +112,9 @@ def _step(model, micro_batches, optimizer, scaler, params, settings: TrainSettin
     device, precision = settings.device, settings.precision
     # The loss of every micro-batch is its sum over tokens / the step's token count, so the
     # accumulated gradient is that of the mean over the whole step, however tokens fall.
+    ranks = settings.ranks
     items = torch.tensor(sum(b.label_count for b in micro_batches), device=device)
+    items = all_sum(items, ranks)  # the step's labelled tokens over every rank
     total = torch.zeros((), device=device)
     for batch in micro_batches:
         with _autocast(precision, device):
@@ -121,8 +125,10 @@ def _step(model, micro_batches, optimizer, scaler, params, settings: TrainSettin
                 num_items_in_batch=items,
             )
         loss = output.loss
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        scaled = loss * ranks.world  # FSDP2 averages gradients over ranks: sum them instead
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += loss.detach().float()
+    total = all_sum(total, ranks)
     if scaler is not None:
         scaler.unscale_(optimizer)
     if settings.max_grad_norm > 0:

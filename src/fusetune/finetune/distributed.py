@@ -1,0 +1,76 @@
+"""``finetune`` on N processes: ``torchrun --nproc_per_node N -m fusetune finetune ...``.
+
+Each rank trains on its own rows of every micro-batch (``--batch-size`` is per rank), the model
+sharded with FSDP2 (every decoder layer, then the root: the lm_head stays in the root group, where
+the fused loss reads it directly). The loss of each micro-batch is its sum over the rank's tokens
+divided by the step's token count over all ranks (HF's ``num_items_in_batch``, all-reduced), and
+FSDP2 averages gradients over ranks, so the loss is scaled by the world size for the backward:
+the step's gradient is that of the mean over every token of every rank, as on one process.
+Rank 0 prints and saves (a full state dict gathered from the shards)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(device: torch.device) -> tuple[Ranks, torch.device]:
+    """Join the process group torchrun / accelerate describe in the environment (NCCL on CUDA,
+    gloo on the CPU); (ranks, this rank's device). One process: no group, the device as is."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Ranks(), device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        torch.cuda.set_device(device)
+    return Ranks(dist.get_rank(), dist.get_world_size()), device
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over every layer transformers checkpoints (the decoder layers), then the root."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    if ranks.world > 1:
+        dist.all_reduce(value)
+    return value
+
+
+def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict | None:
+    """The whole model's state dict on the CPU (a collective: every rank calls it); None on a
+    single process (save_pretrained reads the model itself)."""
+    if ranks.world == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def finish(ranks: Ranks) -> None:
+    if ranks.world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
