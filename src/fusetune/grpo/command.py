@@ -256,12 +256,9 @@ def tiny_tokenizer():
     import transformers
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers import models as tokenizer_models
-    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte map
 
-    alphabet = ByteLevel.alphabet()
-    byte_to_char = _bytes_to_unicode()
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    assert set(vocab) <= set(alphabet)
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     vocab.update({"<pad>": 256, "<s>": 257, "</s>": 258})
     backend = Tokenizer(tokenizer_models.BPE(vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -269,20 +266,6 @@ def tiny_tokenizer():
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (the ByteLevel pre-tokenizer's)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 def _hf_tokenizer(spec):

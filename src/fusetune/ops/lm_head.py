@@ -22,7 +22,13 @@ import torch
 from fusetune import _utils
 from fusetune._triton import tl, triton
 from fusetune.ops import cross_entropy as ce
-from fusetune.ops.linear_cross_entropy import _Grads, _logit_chunks, own_dtypes
+from fusetune.ops.linear_cross_entropy import (
+    _GRAD_FLAGS,
+    _fake_grads,
+    _Grads,
+    _logit_chunks,
+    own_dtypes,
+)
 from fusetune.reference.grpo import HeadOutput
 
 __all__ = ["HeadOutput", "head"]
@@ -137,7 +143,6 @@ def _grad(logits, labels, lse, entropy, grad_logp, grad_entropy, options, ignore
 # ============================================================================ custom ops
 
 _HEAD_SCHEMA = "int ignore_index, float? logit_scale, float? logit_softcap, int chunk_override"
-_GRAD_FLAGS = "bool grad_hidden, bool grad_weight, bool grad_bias"
 
 
 def _fake_forward(hidden, weight, bias, labels, ignore_index, logit_scale, logit_softcap,
@@ -177,8 +182,6 @@ def _forward_op(hidden, weight, bias, labels, ignore_index, logit_scale, logit_s
 
 
 def _fake_backward(grad_logp, grad_entropy, hidden, weight, bias, *rest):
-    from fusetune.ops.linear_cross_entropy import _fake_grads
-
     return _fake_grads(hidden, weight, *rest[-3:])
 
 
