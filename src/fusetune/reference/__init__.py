@@ -4,6 +4,7 @@ They are the CPU path of the public ops and the oracle the tests compare the ker
 
 from fusetune.reference.activation import geglu, swiglu
 from fusetune.reference.cross_entropy import cross_entropy
+from fusetune.reference.gated_delta_rule import gated_delta_rule
 from fusetune.reference.grpo import grpo_loss, selective_log_softmax
 from fusetune.reference.linear_cross_entropy import linear_cross_entropy
 from fusetune.reference.rms_norm import add_rms_norm, rms_norm
@@ -12,6 +13,7 @@ from fusetune.reference.rope import rope
 __all__ = [
     "add_rms_norm",
     "cross_entropy",
+    "gated_delta_rule",
     "geglu",
     "grpo_loss",
     "linear_cross_entropy",
