@@ -16,6 +16,7 @@ from fusetune.integrations.transformers import apply, revert
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
+from fusetune.ops.linear_attention import gated_delta_rule
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 from fusetune.ops.lm_head import HeadOutput
 from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
@@ -33,6 +34,7 @@ __all__ = [
     "backend",
     "cross_entropy",
     "dequantize_4bit",
+    "gated_delta_rule",
     "gated_slot_attention",
     "geglu",
     "grpo_loss",

@@ -158,7 +158,6 @@ def gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     mode: str = "chunk",
-    **unused: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same arguments and results as :func:`fusetune.gated_delta_rule` (``mode`` is accepted
     and ignored: both modes are this one recurrence). Differentiable by autograd."""

@@ -1,0 +1,279 @@
+"""``fusetune.gated_delta_rule``: argument checks, dispatch, custom ops and autograd.
+
+Math of the backward (per sequence and value head; S_t the state after token t, a_t = exp(g_t),
+e_t = v_t - (a_t S_{t-1})^T k_t, L_t = dLoss/dS_t including scale q_t do_t^T):
+    dd_t = L_t^T k_t                 dv_t = beta_t dd_t          dbeta_t = dd_t . e_t
+    dk_t = beta_t L_t e_t - beta_t (a_t S_{t-1}) dd_t           dq_t = scale S_t do_t
+    L_{t-1} = a_t (L_t - beta_t k_t dd_t^T) + scale q_{t-1} do_{t-1}^T
+    dg_t = <L_t, S_t - beta_t k_t v_t^T> = sum_{s >= t} (o_s . do_s - v_s . dv_s) + <dS_T, S_T>
+The dg identity (so that no sweep needs the state and its gradient at once for dg): <L_t, S_t>
+= a_{t+1} <L_{t+1}, M_{t+1} S_t> + o_t . do_t = dg_{t+1} + o_t . do_t, with
+M = I - beta k k^T, and beta_t k_t^T L_t v_t = v_t . dv_t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusetune import _utils
+from fusetune.ops.linear_attention import gdr_recurrent
+from fusetune.ops.linear_attention._common import bth_strides, unit_last_stride
+from fusetune.reference import gated_delta_rule as reference
+from fusetune.reference.gated_delta_rule import Shapes, check_gated_delta_args, l2norm
+
+MAX_KEY_DIM = 256  # the kernels hold a [K, BV] state slice in registers
+
+# ============================================================================ host launchers
+
+
+class _Plan:
+    """Sizes and launch constants of one call."""
+
+    def __init__(self, q, v, cu_seqlens) -> None:
+        self.batch, self.seq_len, self.key_heads, self.key_dim = q.shape
+        self.value_heads, self.value_dim = v.shape[2], v.shape[3]
+        self.n_seq = self.batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        self.group = self.value_heads // self.key_heads
+        self.BK = max(16, _utils.next_power_of_2(self.key_dim))
+        self.BV = gdr_recurrent.block_v(self.value_dim, self.key_dim, _utils.INTERPRET)
+        self.n_vblocks = _utils.cdiv(self.value_dim, self.BV)
+        self.grid = (self.n_vblocks, self.n_seq * self.value_heads)
+        self.varlen = cu_seqlens is not None
+
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        return (self.n_seq, self.value_heads, self.key_dim, self.value_dim)
+
+    def consts(self) -> dict:
+        return dict(GROUP=self.group, K=self.key_dim, V=self.value_dim, BK=self.BK, BV=self.BV,
+                    VARLEN=self.varlen, num_warps=4)
+
+    def empty(self) -> bool:
+        return self.n_seq * self.value_heads == 0 or self.seq_len == 0
+
+
+def _prepare(q, k, v, h0, cu_seqlens):
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
+    h0 = None if h0 is None else h0.contiguous()
+    cu = None if cu_seqlens is None else cu_seqlens.contiguous()
+    return q, k, v, h0, cu
+
+
+def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
+    q, k, v, h0, cu = _prepare(q, k, v, h0, cu_seqlens)
+    plan = _Plan(q, v, cu)
+    o = _utils.empty(v.shape, v.dtype, v.device)
+    hT = _utils.empty(plan.state_shape if output_final_state else (0,), torch.float32, v.device)
+    if plan.n_seq * plan.value_heads == 0:
+        return o, hT
+    gdr_recurrent.fwd_kernel[plan.grid](
+        q, k, v, g, beta, o, o if h0 is None else h0, hT, o if cu is None else cu,
+        *bth_strides(q), *bth_strides(k), *bth_strides(v), *g.stride(), *beta.stride(),
+        *bth_strides(o), scale, plan.seq_len, plan.value_heads,
+        HAS_H0=h0 is not None, STORE_HT=output_final_state, **plan.consts(),
+    )
+    return o, hT
+
+
+def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
+                   chunked):
+    q, k, v, h0, cu = _prepare(q, k, v, h0, cu_seqlens)
+    do = unit_last_stride(do)
+    plan = _Plan(q, v, cu)
+    device, f32 = v.device, torch.float32
+    has_dht = output_final_state and dhT is not None
+    dhT = dhT.contiguous() if has_dht else None
+    rows = (plan.batch, plan.seq_len, plan.value_heads)
+    nvb, key_dim, value_dim = plan.n_vblocks, plan.key_dim, plan.value_dim
+    # fp32 per-token buffers between the sweeps, and per-value-block partial sums.
+    e_buf, dd_buf = (_utils.empty((*rows, value_dim), f32, device) for _ in range(2))
+    od_buf, dbeta_buf, dg_buf = (_utils.empty((*rows, nvb), f32, device) for _ in range(3))
+    dq_buf, dk_buf = (_utils.empty((*rows, nvb, key_dim), f32, device) for _ in range(2))
+    f_buf = _utils.empty((plan.n_seq, plan.value_heads, nvb), f32, device)
+    dv = _utils.empty(v.shape, v.dtype, device)
+    dh0 = _utils.empty(plan.state_shape, f32, device)
+    if plan.n_seq * plan.value_heads:
+        _run_backward(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, dv, dh0,
+                      (e_buf, dd_buf, od_buf, dbeta_buf, dg_buf, dq_buf, dk_buf, f_buf))
+    dq, dk = (_sum_group(x.sum(3), plan) for x in (dq_buf, dk_buf))
+    return (dq.to(q.dtype), dk.to(k.dtype), dv, dg_buf.sum(-1).to(g.dtype),
+            dbeta_buf.sum(-1).to(beta.dtype), dh0)
+
+
+def _run_backward(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, dv, dh0, buffers):
+    e_buf, dd_buf, od_buf, dbeta_buf, dg_buf, dq_buf, dk_buf, f_buf = buffers
+    dummy = e_buf
+    h0_arg, dhT_arg, cu_arg = (dummy if x is None else x for x in (h0, dhT, cu))
+    io_strides = (*bth_strides(q), *bth_strides(k), *bth_strides(v), *g.stride(),
+                  *beta.stride(), *bth_strides(do))
+    sizes = (plan.seq_len, plan.value_heads, plan.n_vblocks)
+    consts = plan.consts()
+    gdr_recurrent.bwd_prep_kernel[plan.grid](
+        q, k, v, g, beta, do, h0_arg, dhT_arg, e_buf, od_buf, dq_buf, f_buf, cu_arg,
+        *io_strides, scale, *sizes, HAS_H0=h0 is not None, HAS_DHT=dhT is not None, **consts,
+    )
+    gdr_recurrent.bwd_reverse_kernel[plan.grid](
+        q, k, v, g, beta, do, dv, dhT_arg, e_buf, od_buf, f_buf, dk_buf, dbeta_buf, dg_buf,
+        dd_buf, dh0, cu_arg, *io_strides, *bth_strides(dv), scale, *sizes,
+        HAS_DHT=dhT is not None, **consts,
+    )
+    gdr_recurrent.bwd_dk_kernel[plan.grid](
+        k, g, beta, h0_arg, e_buf, dd_buf, dk_buf, cu_arg, *bth_strides(k), *g.stride(),
+        *beta.stride(), *sizes, HAS_H0=h0 is not None, **consts,
+    )
+
+
+def _sum_group(grad: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[B, T, HV, K] per value head -> [B, T, HK, K]: a key head's gradient sums its group's."""
+    if plan.group == 1:
+        return grad
+    return grad.unflatten(2, (plan.key_heads, plan.group)).sum(3)
+
+
+# ============================================================================ custom ops
+
+
+def _fake_state(q, v, cu_seqlens):
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return q.new_empty((n_seq, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
+
+
+def _fake_forward(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
+    o = v.new_empty(v.shape)
+    if not output_final_state:
+        return o, q.new_empty((0,), dtype=torch.float32)
+    return o, _fake_state(q, v, cu_seqlens)
+
+
+def _fake_backward(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
+                   chunked):
+    grads = tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+    return (*grads, _fake_state(q, v, cu_seqlens))
+
+
+_ARGS = "Tensor? h0, Tensor? cu_seqlens, float scale, bool output_final_state, bool chunked"
+
+_forward_op = _utils.register_op(
+    f"gated_delta_rule_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {_ARGS}) "
+    "-> (Tensor, Tensor)",
+    fake=_fake_forward,
+)(_forward_impl)
+
+_backward_op = _utils.register_op(
+    "gated_delta_rule_backward(Tensor do, Tensor? dhT, Tensor q, Tensor k, Tensor v, Tensor g, "
+    f"Tensor beta, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_fake_backward,
+)(_backward_impl)
+
+
+# ============================================================================ autograd
+
+
+class _GatedDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
+        o, hT = _forward_op(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
+                            chunked)
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+        ctx.options = (scale, output_final_state, chunked)
+        ctx.state_dtype = None if h0 is None else h0.dtype
+        return o, hT
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dhT):
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        scale, output_final_state, chunked = ctx.options
+        dq, dk, dv, dg, dbeta, dh0 = _backward_op(
+            do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked
+        )
+        dh0 = None if h0 is None else dh0.to(ctx.state_dtype)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+
+
+# ============================================================================ public function
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    mode: str = "chunk",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule (Gated DeltaNet's token mixer, as in Qwen3.5 and Qwen3-Next);
+    forward and backward fused. Argument names and layout are FLA's ``chunk_gated_delta_rule``
+    and transformers' ``torch_chunk_gated_delta_rule``, so it drops in for either.
+
+    Per sequence and value head, state S [K, V] in fp32:
+        S = exp(g_t) S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = scale S^T q_t
+
+    Args:
+        q, k: [B, T, HK, K]; fp32, fp16 or bf16 (one dtype with v).
+        v: [B, T, HV, V]; HV a multiple of HK: value head h reads query/key head h // (HV/HK).
+        g: [B, T, HV] log decays (<= 0 in these models; not checked), any float dtype, read
+            as fp32.  beta: [B, T, HV] write strengths, any float dtype, read as fp32.
+        scale: multiplies q; default K ** -0.5.
+        initial_state: [N, HV, K, V], any float dtype; N = B, or the number of sequences with
+            cu_seqlens. Zero when None. Gradients flow to it.
+        output_final_state: also return the final state [N, HV, K, V] in fp32.
+        cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (B must be 1): 0 first,
+            non-decreasing, T last (values checked for CPU tensors; clamped on the GPU).
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (x * rsqrt(sum x^2 + 1e-6),
+            in fp32), as Qwen3.5 asks.
+        mode: "chunk" (training) or "recurrent" (decoding). Both compute the same function;
+            today both run the recurrent kernels (one program per sequence, value head and block
+            of value columns, token by token; three sweeps in backward).
+
+    Returns:
+        (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
+        Under torch.autocast q, k and v are cast to the autocast dtype first; gradients come
+        back in each input's own dtype. Arithmetic and carried states are fp32 throughout.
+
+    Raises:
+        TypeError: a non-tensor or non-floating input; q, k, v of different dtypes; non-bool
+            flags; cu_seqlens not integer.
+        ValueError: inconsistent shapes (the message names them); HV not a multiple of HK;
+            unknown mode; cu_seqlens with B != 1, not 1-D or (CPU) bad values; initial_state's
+            shape; K above 256 on the kernel path; tensors on different devices.
+    """
+    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (x.to(dtype) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
+    shapes = check_gated_delta_args(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, mode=mode,
+    )
+    if _utils.backend(q) == "reference":
+        return reference.gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, mode=mode,
+        )
+    _check_kernel_dims(shapes)
+    scale = shapes.key_dim**-0.5 if scale is None else float(scale)
+    with torch.autocast(device_type, enabled=False):
+        if use_qk_l2norm_in_kernel:  # fp32 normalised q, k: no rounding before the kernel
+            q, k = l2norm(q.float()), l2norm(k.float())
+        o, final = _GatedDeltaRuleFunction.apply(
+            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+            mode == "chunk",
+        )
+    return o, (final if output_final_state else None)
+
+
+def _check_kernel_dims(shapes: Shapes) -> None:
+    if shapes.key_dim > MAX_KEY_DIM:
+        raise ValueError(
+            f"K (q/k last dim) = {shapes.key_dim} exceeds {MAX_KEY_DIM}, the largest the gated "
+            "delta rule kernels keep in registers"
+        )
