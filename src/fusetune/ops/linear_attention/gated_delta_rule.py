@@ -18,8 +18,8 @@ import torch
 from fusetune import _utils
 from fusetune.ops.linear_attention import gdr_recurrent
 from fusetune.ops.linear_attention._common import bth_strides, unit_last_stride
-from fusetune.reference import gated_delta_rule as reference
 from fusetune.reference.gated_delta_rule import Shapes, check_gated_delta_args, l2norm
+from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_gated_delta_rule
 
 MAX_KEY_DIM = 256  # the kernels hold a [K, BV] state slice in registers
 
@@ -254,7 +254,7 @@ def gated_delta_rule(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, mode=mode,
     )
     if _utils.backend(q) == "reference":
-        return reference.gated_delta_rule(
+        return reference_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, mode=mode,

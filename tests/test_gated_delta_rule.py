@@ -1,0 +1,344 @@
+"""fusetune.gated_delta_rule (chunk and recurrent modes) against its float64 reference, and the
+reference against transformers' own torch implementations (a second, independent oracle).
+
+Tolerances: GSA's table (tests/test_gsa.py): the state is a recurrence over the whole sequence and
+dg a reverse running sum of terms that cancel, so fp32 5e-5 and fp16 1e-2; bf16 keeps 1e-2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusetune
+import harness
+from fusetune.ops.linear_attention import gdr_recurrent
+from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_op
+from harness import DEVICE, ON_GPU, assert_close, assert_raises, check_op, matrix, uses_kernels
+
+GDR_TOLERANCES = {torch.float32: 5e-5, torch.float16: 1e-2}
+ALGOS = ["chunk", "recurrent"]
+
+
+@pytest.fixture(autouse=True)
+def _gdr_tolerances(monkeypatch):
+    for dtype, tol in GDR_TOLERANCES.items():
+        monkeypatch.setitem(harness.TOLERANCES, dtype, tol)
+
+
+def make_inputs(
+    batch=2,
+    seq_len=13,
+    key_heads=1,
+    value_heads=2,
+    key_dim=12,
+    value_dim=20,
+    *,
+    n_seq=None,
+    initial_state=True,
+    unit_keys=True,
+):
+    """Random inputs as a Qwen3.5 layer makes them: g = -A softplus(a) (from -0.01 to about
+    -3), beta = sigmoid(b). Keys of norm ~1 (``unit_keys``) keep I - beta k k^T contracting, as
+    the l2norm does in the models; raw keys are for the l2norm tests."""
+    q = torch.randn(batch, seq_len, key_heads, key_dim, dtype=torch.float64)
+    k = torch.randn(batch, seq_len, key_heads, key_dim, dtype=torch.float64)
+    if unit_keys:
+        k = k / math.sqrt(key_dim)
+    decay_rate = torch.rand(value_heads, dtype=torch.float64) + 0.05
+    inputs = {
+        "q": q,
+        "k": k,
+        "v": torch.randn(batch, seq_len, value_heads, value_dim, dtype=torch.float64),
+        "g": -decay_rate * F.softplus(torch.randn(batch, seq_len, value_heads).double() - 1),
+        "beta": torch.sigmoid(torch.randn(batch, seq_len, value_heads, dtype=torch.float64)),
+    }
+    if initial_state:
+        n = batch if n_seq is None else n_seq
+        inputs["h0"] = 0.5 * torch.randn(n, value_heads, key_dim, value_dim, dtype=torch.float64)
+    return inputs
+
+
+def with_state(fn, **fixed):
+    """``fn`` with the initial state as argument ``h0`` and (o, final state) as the result."""
+
+    def run(q, k, v, g, beta, h0=None, **kwargs):
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **fixed, **kwargs)
+
+    return run
+
+
+def run_check(inputs, dtype, algo, **kw):
+    autocast = kw.get("autocast")
+    fixed = kw.pop("fixed", {})
+    return check_op(
+        with_state(fusetune.gated_delta_rule, mode=algo, **fixed),
+        with_state(reference_op, **fixed),
+        inputs,
+        dtype=dtype,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[autocast or dtype, torch.float32],
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+@pytest.mark.parametrize(
+    "name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+)
+def test_reference_matches_transformers(name):
+    """The reference, written from the paper, against transformers' own Qwen3.5 functions (fp32;
+    grouped value heads, l2norm, initial and final state)."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    x = make_inputs(batch=2, seq_len=70, key_heads=2, value_heads=4, unit_keys=False)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    want, want_state = getattr(modeling, name)(
+        *(a.float() for a in args),
+        initial_state=x["h0"].float(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    got, state = reference_op(
+        *args, initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    assert got.dtype == state.dtype == torch.float64
+    assert_close("o", want, got, 1e-5)
+    assert_close("final state", want_state, state, 1e-5)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@matrix()
+def test_matrix(algo, dtype, autocast, mode, layout):
+    """Output, final state and every gradient (q, k, v, g, beta, initial state), with grouped
+    value heads and sizes that pad every block (K = 12, V = 20)."""
+    assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
+    inputs = make_inputs(batch=2, seq_len=8)
+    run_check(inputs, dtype, algo, mode=mode, autocast=autocast, layout=layout)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_l2norm_and_groups(algo, dtype):
+    """use_qk_l2norm_in_kernel on raw keys (the models' call), two key heads serving four value
+    heads, an explicit scale."""
+    inputs = make_inputs(batch=1, seq_len=20, key_heads=2, value_heads=4, unit_keys=False)
+    fixed = dict(use_qk_l2norm_in_kernel=True, scale=0.4)
+    run_check(inputs, dtype, algo, fixed=fixed)
+
+
+def test_several_value_blocks(monkeypatch):
+    """V = 40 in blocks of 16 (three programs a head, the last one partial): the per-block
+    partial sums of dq, dk, dbeta and dg add up."""
+    monkeypatch.setattr(gdr_recurrent, "MAX_BV_INTERPRET", 16)
+    inputs = make_inputs(batch=1, seq_len=10, key_dim=32, value_dim=40)
+    run_check(inputs, torch.float32, "recurrent")
+
+
+def per_sequence(fn, offsets):
+    """``fn`` run on each packed sequence alone, results concatenated: the varlen oracle."""
+
+    def run(q, k, v, g, beta, h0, **kwargs):
+        outs, states = [], []
+        for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            part = [x[:, start:end] for x in (q, k, v, g, beta)]
+            o, state = with_state(fn)(*part, h0[n : n + 1], **kwargs)
+            outs.append(o)
+            states.append(state)
+        return torch.cat(outs, dim=1), torch.cat(states)
+
+    return run
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize(
+    "dtype,cu_dtype",
+    [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)],
+    ids=["fp32-i64", "bf16-i32"],
+)
+def test_varlen_matches_per_sequence_runs(algo, dtype, cu_dtype):
+    """Packed sequences (one empty, one of a single token) give what each gives alone: no state
+    crosses a boundary; one initial and one final state per sequence."""
+    offsets = [0, 5, 5, 17, 18, 30]
+    inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
+    cu = torch.tensor(offsets, dtype=cu_dtype, device=DEVICE)
+    check_op(
+        with_state(fusetune.gated_delta_rule, mode=algo, cu_seqlens=cu),
+        per_sequence(reference_op, offsets),
+        inputs,
+        dtype=dtype,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[dtype, torch.float32],
+    )
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_decoding_single_token(algo):
+    """T = 1 with a carried state: one decoding step."""
+    inputs = make_inputs(batch=3, seq_len=1)
+    run_check(inputs, torch.bfloat16, algo)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_plain_call(algo):
+    """No initial state, no final state: o and None; gradients for q, k, v, g, beta."""
+    inputs = make_inputs(batch=1, seq_len=9, initial_state=False)
+
+    def drop_state(fn):
+        def run(**kw):
+            o, state = fn(**kw)
+            assert state is None
+            return o
+
+        return run
+
+    check_op(
+        drop_state(lambda **kw: fusetune.gated_delta_rule(**kw, mode=algo)),
+        drop_state(reference_op),
+        inputs,
+        dtype=torch.float16,
+        cast=list(inputs),
+        grad=list(inputs),
+    )
+
+
+def test_fp32_gates_beside_bf16_inputs():
+    """The models' mix: bf16 q, k, v and beta, fp32 g; each gradient in its input's dtype."""
+    inputs = make_inputs(batch=1, seq_len=11)
+    run_check(
+        inputs, torch.bfloat16, "chunk", input_dtypes={"g": torch.float32, "h0": torch.float32}
+    )
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1000 is slow under the interpreter")
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
+def test_long_sequences_gpu(algo, dtype):
+    """Qwen3.5's head sizes (K = V = 128, two value heads a key head), l2norm, T = 1000."""
+    inputs = make_inputs(
+        batch=2,
+        seq_len=1000,
+        key_heads=2,
+        value_heads=4,
+        key_dim=128,
+        value_dim=128,
+        unit_keys=False,
+    )
+    run_check(inputs, dtype, algo, fixed=dict(use_qk_l2norm_in_kernel=True))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only")
+def test_packed_long_sequences_gpu():
+    offsets = [0, 700, 1300, 2000]
+    inputs = make_inputs(batch=1, seq_len=2000, value_heads=4, key_dim=64, value_dim=100, n_seq=3)
+    cu = torch.tensor(offsets, device=DEVICE)
+    check_op(
+        with_state(fusetune.gated_delta_rule, cu_seqlens=cu),
+        per_sequence(reference_op, offsets),
+        inputs,
+        dtype=torch.float16,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[torch.float16, torch.float32],
+    )
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_bad_input(mode):
+    call = fusetune.gated_delta_rule
+    if mode == "compile":
+        call = torch.compile(call, backend="aot_eager", fullgraph=True, dynamic=True)
+    x = {n: t.float().to(DEVICE) for n, t in make_inputs(batch=1, seq_len=8).items()}
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    assert_raises(ValueError, "k must be shaped like q", call, q, k[..., :5], v, g, beta)
+    assert_raises(ValueError, "v must have q's batch and time", call, q, k, v[:, :4], g, beta)
+    assert_raises(
+        ValueError,
+        "multiple of q/k's",
+        call,
+        q.repeat(1, 1, 3, 1),
+        k.repeat(1, 1, 3, 1),
+        v,
+        g,
+        beta,
+    )
+    assert_raises(ValueError, "g must be [B, T, HV]", call, q, k, v, g[:, :, :1], beta)
+    assert_raises(ValueError, "beta must be [B, T, HV]", call, q, k, v, g, beta[:, :4])
+    assert_raises(ValueError, "beta must be [B, T, HV] (one beta", call, q, k, v, g, v)
+    assert_raises(ValueError, "q must be [B, T, HK, K]", call, q[0], k, v, g, beta)
+    assert_raises(ValueError, "mode|'fast'", call, q, k, v, g, beta, mode="fast")
+    assert_raises(TypeError, "share one dtype", call, q, k.half(), v, g, beta)
+    assert_raises(TypeError, "q must be a floating-point", call, q.long(), k, v, g, beta)
+    assert_raises(
+        TypeError,
+        "use_qk_l2norm_in_kernel must be a bool",
+        call,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        use_qk_l2norm_in_kernel=1,
+    )
+    assert_raises(
+        ValueError,
+        "initial_state must be [N, HV, K, V]",
+        call,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=x["h0"][:, :, :3],
+    )
+    cu = torch.tensor([0, 3, 8], device=DEVICE)
+    assert_raises(
+        ValueError,
+        "batch size must be 1",
+        call,
+        *(t.repeat(2, *([1] * (t.dim() - 1))) for t in (q, k, v, g, beta)),
+        cu_seqlens=cu,
+    )
+    assert_raises(
+        TypeError, "cu_seqlens must be an integer", call, q, k, v, g, beta, cu_seqlens=cu.float()
+    )
+
+
+def test_bad_cu_seqlens_values():
+    """Value checks (CPU tensors: on the GPU they would cost a host sync)."""
+    x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    for offsets, words in [
+        ([1, 3, 8], "start at 0"),
+        ([0, 5, 3, 8], "non-decreasing"),
+        ([0, 3, 7], "end at T = 8"),
+    ]:
+        assert_raises(
+            ValueError,
+            f"cu_seqlens|{words}",
+            fusetune.gated_delta_rule,
+            *args,
+            cu_seqlens=torch.tensor(offsets),
+        )
+
+
+def test_key_dim_limit():
+    x = make_inputs(batch=1, seq_len=2, key_dim=300, value_dim=4, initial_state=False)
+    args = [x[n].float().to(DEVICE) for n in ("q", "k", "v", "g", "beta")]
+    assert_raises(
+        ValueError, "K (q/k last dim) = 300 exceeds 256", fusetune.gated_delta_rule, *args
+    )
