@@ -1,0 +1,820 @@
+"""Mixture-of-experts expert MLP with LoRA: grouped Triton GEMMs over expert-sorted tokens.
+
+Semantics, layouts and the precision rule: :mod:`fusetune.reference.moe`. S = N * K routed
+(token, expert) pairs ("slots"), sorted by expert once per forward (torch.sort on the device,
+no host sync); every kernel walks a tile table of (expert, first row, end row) with at most
+min(S, S / BM + E) tiles, so grids depend on shapes only.
+
+  forward   xa_gu = x[tok] Agu[e]^T                       (grouped mm, LoRA only)
+            gu = x[tok] Wgu[e]^T + bgu + s xa_gu Bgu^T;  h = act(gu)
+                                                          (one kernel: gate and up accumulators,
+                                                           the activation in its epilogue; gu
+                                                           is saved, h is not)
+            xa_d = h Ad[e]^T                              (LoRA only)
+            y = (h Wd[e]^T + bd + s xa_d Bd^T) * w        (routing weight in the epilogue, rows
+                                                           stored at their slot: un-permuted)
+            out[n] = sum_k y[n, k]                         (fp32 sum over K, torch)
+  backward  g_d = dout[tok] Bd[e]                         (LoRA only)
+            g = dout[tok] Wd[e] + s g_d Ad;  the epilogue recomputes h from gu, writes
+            dgu = w g * act'(gu) over gu (eager) and d(w) partial sums <g, h>
+            g_gu = dgu Bgu[e]                             (LoRA only)
+            dx[slot] = dgu Wgu[e] + s g_gu Agu            (stored at its slot; fp32 sum over K)
+            LoRA grads per expert (one program per expert and output tile, deterministic):
+            dBgu = s dgu^T xa_gu, dAgu = s g_gu^T x[tok], dBd = s (w dout[tok])^T xa_d,
+            dAd = s (w g_d)^T h
+            expert weights / biases: only when they require grad (full fine-tuning).
+Not fused: the sort and tile table (a few small torch ops), the K-sums of out and dx (torch),
+the bias part of d(w) (one [N, E] matmul).
+
+Layout: kernels, launchers, registered ops, autograd Function, public function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusetune import _utils
+from fusetune._triton import INTERPRET, dot, tl, triton
+from fusetune.reference import moe as reference
+from fusetune.reference.moe import Layout, MoeLora
+
+ACTIVATION_CODES = {"swiglu": 0, "gpt_oss": 1}
+
+# ============================================================================ kernels
+
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b in fp32: IEEE fp32 products for fp32 compute, tensor cores for 16-bit."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return dot(a, b, acc, UPCAST)
+
+
+@triton.jit
+def _tile(tiles_ptr, BM: tl.constexpr):
+    """(expert, rows, row mask) of this program's tile of expert-sorted rows."""
+    pid = tl.program_id(0)
+    expert = tl.load(tiles_ptr + 3 * pid)
+    row0 = tl.load(tiles_ptr + 3 * pid + 1)
+    row_end = tl.load(tiles_ptr + 3 * pid + 2)
+    rows = row0 + tl.arange(0, BM)
+    return expert.to(tl.int64), rows, rows < row_end, row0 < row_end
+
+
+@triton.jit
+def _rows_tile(ptr, rows, row_mask, stride, ks, k_mask):
+    offsets = rows.to(tl.int64)[:, None] * stride + ks[None, :]
+    return tl.load(ptr + offsets, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _w_tile(base, ks, k_mask, cols, col_mask, stride_k, stride_n):
+    """[BK, BN] tile of one expert's [n, k] matrix stored with any strides."""
+    offsets = ks.to(tl.int64)[:, None] * stride_k + cols.to(tl.int64)[None, :] * stride_n
+    return tl.load(base + offsets, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr, cols, col_mask,
+              rank, scaling, R: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + scaling * xa[rows] @ lb[cols]^T (xa [S, rank], lb one expert's [n, rank])."""
+    rs = tl.arange(0, R)
+    r_mask = rs < rank
+    xa = _rows_tile(xa_ptr, rows, row_mask, xa_stride, rs, r_mask)
+    lb = _w_tile(lb_base, rs, r_mask, cols, col_mask, lb_sr, lb_sn)
+    return acc + scaling * _mm(xa, lb, tl.zeros(acc.shape, tl.float32), IEEE, UPCAST)
+
+
+@triton.jit
+def _glu(gate, up, ACT: tl.constexpr, alpha, limit):
+    """(h, dh/dgate, dh/dup) in fp32. ACT 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU."""
+    if ACT == 0:
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        value = gate * sig
+        return value * up, up * sig * (1.0 + gate * (1.0 - sig)), value
+    else:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-alpha * g))
+        value = g * sig
+        d_gate = tl.where(gate <= limit, (u + 1.0) * sig * (1.0 + alpha * g * (1.0 - sig)), 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), value, 0.0)
+        return (u + 1.0) * value, d_gate, d_up
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr, a_rows_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, scale_ptr, out_ptr, out_rows_ptr,
+    tiles_ptr, scaling, n_out, k_in, rank,
+    a_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, out_stride,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
+    SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """out[dst(r)] = (a[src(r)] @ w[e]^T + s xa[r] lb[e]^T + bias[e]) * scale[r] for the rows r
+    of one tile of expert e; w[e] is [n_out, k_in] with any strides."""
+    expert, rows, row_mask, valid = _tile(tiles_ptr, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_mask = cols < n_out
+    src = rows
+    if GATHER:
+        src = tl.load(a_rows_ptr + rows, mask=row_mask, other=0)
+    w_base = w_ptr + expert * w_se
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_stop = tl.where(valid, k_in, 0)  # an empty tile skips its whole loop
+    for k0 in range(0, k_stop, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < k_in
+        a = _rows_tile(a_ptr, src, row_mask, a_stride, ks, k_mask)
+        w = _w_tile(w_base, ks, k_mask, cols, col_mask, w_sk, w_sn)
+        acc = _mm(a, w, acc, IEEE, UPCAST)
+    if LORA:
+        acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se, lb_sn,
+                        lb_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
+    if BIAS:
+        bias = tl.load(bias_ptr + expert * bias_stride + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    dst = rows
+    if SCATTER:
+        dst = tl.load(out_rows_ptr + rows, mask=row_mask, other=0)
+    offsets = dst.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _glu_forward_kernel(
+    x_ptr, tokens_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, gu_ptr, h_ptr, tiles_ptr,
+    scaling, alpha, limit, inter, hidden, rank, col_step, up_offset,
+    x_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, gu_stride,
+    h_stride,
+    LORA: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
+    at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up)."""
+    expert, rows, row_mask, valid = _tile(tiles_ptr, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_mask = cols < inter
+    gate_cols = cols * col_step
+    up_cols = gate_cols + up_offset
+    src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
+    w_base = w_ptr + expert * w_se
+    acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    k_stop = tl.where(valid, hidden, 0)
+    for k0 in range(0, k_stop, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < hidden
+        a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
+        w = _w_tile(w_base, ks, k_mask, gate_cols, col_mask, w_sk, w_sn)
+        acc_gate = _mm(a, w, acc_gate, IEEE, UPCAST)
+        w = _w_tile(w_base, ks, k_mask, up_cols, col_mask, w_sk, w_sn)
+        acc_up = _mm(a, w, acc_up, IEEE, UPCAST)
+    if LORA:
+        lb_base = lb_ptr + expert * lb_se
+        acc_gate = _lora_add(acc_gate, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr,
+                             gate_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
+        acc_up = _lora_add(acc_up, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr,
+                           up_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
+    if BIAS:
+        bias_base = bias_ptr + expert * bias_stride
+        acc_gate += tl.load(bias_base + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_base + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    gu_rows = rows.to(tl.int64)[:, None] * gu_stride
+    gate = acc_gate.to(gu_ptr.dtype.element_ty)
+    up = acc_up.to(gu_ptr.dtype.element_ty)
+    tl.store(gu_ptr + gu_rows + gate_cols[None, :], gate, mask=mask)
+    tl.store(gu_ptr + gu_rows + up_cols[None, :], up, mask=mask)
+    h, _, _ = _glu(gate.to(tl.float32), up.to(tl.float32), ACT, alpha, limit)
+    offsets = rows.to(tl.int64)[:, None] * h_stride + cols[None, :]
+    tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_backward_kernel(
+    dout_ptr, tokens_ptr, w_ptr, gd_ptr, la_ptr, gu_ptr, scale_ptr, dgu_ptr, h_ptr, part_ptr,
+    tiles_ptr, scaling, alpha, limit, inter, hidden, rank, col_step, up_offset, n_rows,
+    dout_stride, w_se, w_sn, w_sk, gd_stride, la_se, la_sn, la_sr, gu_stride, dgu_stride,
+    h_stride,
+    LORA: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """g = dout[tok] Wd[e] (+ s g_d Ad[e]) for BN intermediate columns; recomputes h from the
+    saved gu and stores dgu = w g act'(gu) (may overwrite gu: each element is read first),
+    optionally h, and the fp32 partial row sums <g, h> of d(w) at [column tile, row]."""
+    expert, rows, row_mask, valid = _tile(tiles_ptr, BM)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_mask = cols < inter
+    src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
+    w_base = w_ptr + expert * w_se
+    g = tl.zeros((BM, BN), dtype=tl.float32)
+    k_stop = tl.where(valid, hidden, 0)
+    for k0 in range(0, k_stop, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < hidden
+        a = _rows_tile(dout_ptr, src, row_mask, dout_stride, ks, k_mask)
+        w = _w_tile(w_base, ks, k_mask, cols, col_mask, w_sk, w_sn)
+        g = _mm(a, w, g, IEEE, UPCAST)
+    if LORA:
+        g = _lora_add(g, gd_ptr, gd_stride, rows, row_mask, la_ptr + expert * la_se, la_sn,
+                      la_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
+    mask = row_mask[:, None] & col_mask[None, :]
+    gate_cols = cols * col_step
+    up_cols = gate_cols + up_offset
+    gu_rows = rows.to(tl.int64)[:, None] * gu_stride
+    gate = tl.load(gu_ptr + gu_rows + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + gu_rows + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h, d_gate, d_up = _glu(gate, up, ACT, alpha, limit)
+    h = h.to(h_ptr.dtype.element_ty).to(tl.float32)  # the forward's rounded h
+    weight = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    dh = g.to(dgu_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    dh = dh.to(dgu_ptr.dtype.element_ty).to(tl.float32)  # dh in the compute dtype, as autograd
+    dgu_rows = rows.to(tl.int64)[:, None] * dgu_stride
+    tl.store(dgu_ptr + dgu_rows + gate_cols[None, :],
+             (dh * d_gate).to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgu_ptr + dgu_rows + up_cols[None, :], (dh * d_up).to(dgu_ptr.dtype.element_ty),
+             mask=mask)
+    if STORE_H:
+        offsets = rows.to(tl.int64)[:, None] * h_stride + cols[None, :]
+        tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+    partial = tl.sum(tl.where(mask, g * h, 0.0), axis=1)
+    tl.store(part_ptr + pid_n.to(tl.int64) * n_rows + rows, partial, mask=row_mask)
+
+
+@triton.jit
+def _expert_outer_kernel(
+    x_ptr, x_rows_ptr, scale_ptr, y_ptr, y_rows_ptr, out_ptr, offsets_ptr, scaling,
+    dim_i, dim_j, x_stride, y_stride, o_se, o_si, o_sj,
+    X_GATHER: tl.constexpr, Y_GATHER: tl.constexpr, X_SCALE: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """out[e, i, j] = scaling * sum over expert e's rows r of (scale[r] x[xr(r), i]) y[yr(r), j]:
+    one program per (expert, [BI, BJ] tile), rows in BK steps (deterministic, no atomics)."""
+    expert = tl.program_id(0)
+    pid = tl.program_id(1)
+    tiles_j = tl.cdiv(dim_j, BJ)
+    i_idx = (pid // tiles_j) * BI + tl.arange(0, BI)
+    j_idx = (pid % tiles_j) * BJ + tl.arange(0, BJ)
+    i_mask, j_mask = i_idx < dim_i, j_idx < dim_j
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for r0 in range(start, end, BK):
+        rs = r0 + tl.arange(0, BK)
+        r_mask = rs < end
+        x_rows = rs
+        if X_GATHER:
+            x_rows = tl.load(x_rows_ptr + rs, mask=r_mask, other=0)
+        y_rows = rs
+        if Y_GATHER:
+            y_rows = tl.load(y_rows_ptr + rs, mask=r_mask, other=0)
+        xt = tl.load(x_ptr + x_rows.to(tl.int64)[None, :] * x_stride + i_idx[:, None],
+                     mask=i_mask[:, None] & r_mask[None, :], other=0.0)
+        if X_SCALE:
+            scale = tl.load(scale_ptr + rs, mask=r_mask, other=0.0)
+            xt = (xt.to(tl.float32) * scale[None, :]).to(xt.dtype)
+        yt = tl.load(y_ptr + y_rows.to(tl.int64)[:, None] * y_stride + j_idx[None, :],
+                     mask=r_mask[:, None] & j_mask[None, :], other=0.0)
+        acc = _mm(xt, yt, acc, IEEE, UPCAST)
+    offsets = expert.to(tl.int64) * o_se + i_idx.to(tl.int64)[:, None] * o_si
+    offsets += j_idx[None, :] * o_sj
+    tl.store(out_ptr + offsets, (scaling * acc).to(out_ptr.dtype.element_ty),
+             mask=i_mask[:, None] & j_mask[None, :])
+
+
+# ============================================================================ host launchers
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, warps) of the grouped GEMMs."""
+    if INTERPRET:
+        return 16, 32, 32, 4
+    if dtype == torch.float32:
+        return 32, 64, 32, 4
+    return 64, 128, 64, 8
+
+
+def _padded_rank(rank: int) -> int:
+    return max(16, _utils.next_power_of_2(rank))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _Route:
+    """Slots sorted by expert: tokens[r] (the source token of sorted row r), slots[r] (its flat
+    n * K + k index), offsets [E + 1] (expert e's rows are offsets[e]:offsets[e + 1]) and the
+    per-BM tile tables. All device tensors; nothing syncs."""
+
+    def __init__(self, topk_ids: torch.Tensor, experts: int, tokens=None, slots=None,
+                 offsets=None):
+        self.experts = experts
+        if tokens is None:
+            ids = topk_ids.reshape(-1).long()
+            order = torch.sort(ids, stable=True).indices
+            counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
+            counts.scatter_add_(0, ids, torch.ones_like(ids))
+            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+            slots = order.to(torch.int32)
+            tokens = (order // topk_ids.shape[1]).to(torch.int32)
+        self.tokens, self.slots, self.offsets = tokens, slots, offsets
+        self.n_rows = slots.shape[0]
+        self._tables: dict[int, torch.Tensor] = {}
+
+    def tiles(self, bm: int) -> torch.Tensor:
+        """[T, 3] int32 (expert, first row, end row); rows past the last tile are empty."""
+        if bm not in self._tables:
+            offsets = self.offsets.long()
+            counts = offsets[1:] - offsets[:-1]
+            per_expert = (counts + bm - 1) // bm
+            tile_end = per_expert.cumsum(0)
+            n_tiles = min(self.n_rows, _utils.cdiv(self.n_rows, bm) + self.experts)
+            t = torch.arange(n_tiles, device=offsets.device)
+            expert = torch.searchsorted(tile_end, t, right=True)
+            valid = expert < self.experts
+            e = expert.clamp(max=self.experts - 1)
+            row0 = offsets[e] + (t - (tile_end[e] - per_expert[e])) * bm
+            row0 = torch.where(valid, row0, 0)
+            end = torch.where(valid, torch.minimum(row0 + bm, offsets[e + 1]), 0)
+            self._tables[bm] = torch.stack([e, row0, end], 1).to(torch.int32).contiguous()
+        return self._tables[bm]
+
+
+def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=None,
+                scaling=0.0, bias=None, scale=None):
+    """out[dst] = (a[src] w[e]^T + scaling xa lb[e]^T + bias[e]) * scale over sorted rows.
+    w [E, n, k] and lb [E, n, r] are views with any strides; a, xa, out have unit columns."""
+    n_out, k_in = w.shape[1], w.shape[2]
+    if route.n_rows == 0 or n_out == 0:
+        return out
+    bm, bn, bk, warps = _blocks(a.dtype)
+    if n_out <= 32:
+        bn = max(16, _utils.next_power_of_2(n_out))
+    tiles = route.tiles(bm)
+    lora = xa is not None and xa.shape[1] > 0
+    dummy = route.tokens
+    grid = (tiles.shape[0], _utils.cdiv(n_out, bn))
+    _grouped_mm_kernel[grid](
+        a, route.tokens, w, xa if lora else a, lb if lora else w,
+        bias if bias is not None else a, scale if scale is not None else a, out, route.slots,
+        tiles, scaling, n_out, k_in, xa.shape[1] if lora else 0,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2),
+        xa.stride(0) if lora else 0, *(lb.stride() if lora else (0, 0, 0)),
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        GATHER=gather, SCATTER=scatter, LORA=lora, BIAS=bias is not None,
+        SCALE=scale is not None, IEEE=a.dtype == torch.float32, UPCAST=INTERPRET,
+        R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk, num_warps=warps,
+    )
+    del dummy
+    return out
+
+
+def _glu_columns(layout: Layout) -> tuple[int, int]:
+    """(col_step, up_offset): gate column j of gu at j * col_step, its up column + up_offset."""
+    return (2, 1) if layout.interleaved else (1, layout.intermediate)
+
+
+def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limit):
+    """(gu [S, 2I], h [S, I]) in x's dtype (the compute dtype)."""
+    n_rows, inter = route.n_rows, layout.intermediate
+    gu = _utils.empty((n_rows, 2 * inter), x.dtype, x.device)
+    h = _utils.empty((n_rows, inter), x.dtype, x.device)
+    if n_rows == 0 or inter == 0:
+        return gu, h
+    bm, bn, bk, warps = _blocks(x.dtype)
+    bn = min(bn, 64)
+    lora = xa is not None and xa.shape[1] > 0
+    tiles = route.tiles(bm)
+    grid = (tiles.shape[0], _utils.cdiv(inter, bn))
+    _glu_forward_kernel[grid](
+        x, route.tokens, w_gu, xa if lora else x, lb if lora else w_gu,
+        bias if bias is not None else x, gu, h, tiles, scaling, alpha, limit, inter,
+        layout.hidden, xa.shape[1] if lora else 0, *_glu_columns(layout),
+        x.stride(0), *w_gu.stride(), xa.stride(0) if lora else 0,
+        *(lb.stride() if lora else (0, 0, 0)), bias.stride(0) if bias is not None else 0,
+        gu.stride(0), h.stride(0),
+        LORA=lora, BIAS=bias is not None, ACT=act, IEEE=x.dtype == torch.float32,
+        UPCAST=INTERPRET, R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
+        num_warps=warps,
+    )
+    return gu, h
+
+
+def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dgu, store_h,
+                  act, alpha, limit):
+    """Fill dgu [S, 2I] (may be gu itself); return (h [S, I] or None, d(w) <g, h> [S] fp32)."""
+    n_rows, inter = route.n_rows, layout.intermediate
+    bm, bn, bk, warps = _blocks(dout.dtype)
+    bn = min(bn, 64)
+    col_tiles = max(1, _utils.cdiv(inter, bn))
+    h = _utils.empty((n_rows, inter), dout.dtype, dout.device) if store_h else None
+    partial = _utils.empty((col_tiles, n_rows), torch.float32, dout.device)
+    if n_rows == 0 or inter == 0:
+        return h, partial.zero_().sum(0)
+    lora = gd is not None and gd.shape[1] > 0
+    tiles = route.tiles(bm)
+    _glu_backward_kernel[(tiles.shape[0], col_tiles)](
+        dout, route.tokens, w_d_t, gd if lora else dout, la_t if lora else w_d_t, gu, weights,
+        dgu, h if store_h else gu, partial, tiles, scaling, alpha, limit, inter, layout.hidden,
+        gd.shape[1] if lora else 0, *_glu_columns(layout), n_rows,
+        dout.stride(0), *w_d_t.stride(), gd.stride(0) if lora else 0,
+        *(la_t.stride() if lora else (0, 0, 0)), gu.stride(0), dgu.stride(0),
+        h.stride(0) if store_h else 0,
+        LORA=lora, STORE_H=store_h, ACT=act, IEEE=dout.dtype == torch.float32,
+        UPCAST=INTERPRET, R=_padded_rank(gd.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
+        num_warps=warps,
+    )
+    return h, partial.sum(0)
+
+
+def _expert_outer(x, y, route, out, scaling=1.0, *, x_gather=False, y_gather=False,
+                  scale=None):
+    """out[e] (a [E, I, J] view, any strides) = scaling * sum over expert e's rows of
+    (scale x[xr])^T y[yr]; x [*, I], y [*, J] with unit columns."""
+    experts, dim_i, dim_j = out.shape
+    if out.numel() == 0:
+        return out
+    bi = max(16, min(64, _utils.next_power_of_2(dim_i)))
+    bj = max(16, min(64, _utils.next_power_of_2(dim_j)))
+    bk = 16 if INTERPRET else 64
+    grid = (experts, _utils.cdiv(dim_i, bi) * _utils.cdiv(dim_j, bj))
+    _expert_outer_kernel[grid](
+        x, route.tokens, scale if scale is not None else x, y, route.tokens, out,
+        route.offsets, scaling, dim_i, dim_j, x.stride(0), y.stride(0), *out.stride(),
+        X_GATHER=x_gather, Y_GATHER=y_gather, X_SCALE=scale is not None,
+        IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, BI=bi, BJ=bj, BK=bk,
+        num_warps=4,
+    )
+    return out
+
+
+# ============================================================================ forward / backward
+
+
+def _weights_out_in(gate_up, down, transposed):
+    """gate_up as [E, 2I, H] and down as [E, H, I] (views of the stored tensors)."""
+    if transposed:
+        return gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def _cast(dtype, *tensors):
+    """Biases and LoRA tensors in the compute dtype (small; their gradients are computed in
+    fp32 and cast to their own dtype, so an fp32 adapter beside bf16 experts keeps fp32 grads)."""
+    return [None if t is None else t.to(dtype) for t in tensors]
+
+
+def _empty_rank(x):
+    return x.new_empty((0, 0))
+
+
+def _forward(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu, b_gu,
+             a_d, b_d, s_gu, s_d, layout, act, alpha, limit):
+    """(out [N, H], tokens, slots, offsets, gu [S, 2I], xa_gu [S, r], xa_d [S, r_d]).
+    Tensors are in the compute dtype (weights too); topk_weights any float dtype."""
+    n = x.shape[0]
+    gate_up_bias, down_bias, a_gu, b_gu, a_d, b_d = _cast(
+        x.dtype, gate_up_bias, down_bias, a_gu, b_gu, a_d, b_d
+    )
+    route = _Route(topk_ids, layout.experts)
+    w_gu, w_d = _weights_out_in(gate_up, down, layout.transposed)
+    x = _rows(x)
+    weights = topk_weights.reshape(-1).float()[route.slots.long()]
+    xa_gu = xa_d = None
+    if a_gu is not None:
+        xa_gu = _utils.empty((route.n_rows, a_gu.shape[1]), x.dtype, x.device)
+        _grouped_mm(x, a_gu, route, xa_gu, gather=True)
+    gu, h = _glu_forward(x, w_gu, route, layout, xa_gu, b_gu, s_gu, gate_up_bias, act, alpha,
+                         limit)
+    if a_d is not None:
+        xa_d = _utils.empty((route.n_rows, a_d.shape[1]), x.dtype, x.device)
+        _grouped_mm(h, a_d, route, xa_d)
+    y = _utils.empty((route.n_rows, layout.hidden), x.dtype, x.device)
+    _grouped_mm(h, w_d, route, y, scatter=True, xa=xa_d, lb=b_d, scaling=s_d, bias=down_bias,
+                scale=weights)
+    out = y.view(n, layout.top_k, layout.hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    xa_gu = _empty_rank(x) if xa_gu is None else xa_gu
+    xa_d = _empty_rank(x) if xa_d is None else xa_d
+    return out, route.tokens, route.slots, route.offsets, gu, xa_gu, xa_d
+
+
+# needs: which gradients to compute, in this order.
+GRAD_NAMES = ("x", "topk_weights", "gate_up", "down", "gate_up_bias", "down_bias",
+              "gate_up_a", "gate_up_b", "down_a", "down_b")
+
+
+def _backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
+              b_gu, a_d, b_d, s_gu, s_d, tokens, slots, offsets, gu, xa_gu, xa_d, layout, act,
+              alpha, limit, needs, inplace):
+    """Gradients in GRAD_NAMES order (None where not needed): dx and the weights' gradients in
+    the compute dtype, d(topk_weights) and the LoRA gradients in fp32."""
+    need = dict(zip(GRAD_NAMES, needs, strict=True))
+    n, experts = x.shape[0], layout.experts
+    down_bias, a_gu, b_gu, a_d, b_d = _cast(x.dtype, down_bias, a_gu, b_gu, a_d, b_d)
+    route = _Route(topk_ids, experts, tokens, slots, offsets)
+    w_gu, w_d = _weights_out_in(gate_up, down, layout.transposed)
+    dout = _rows(grad)
+    x = _rows(x)
+    weights = topk_weights.reshape(-1).float()[slots.long()]
+    dtype = x.dtype
+    lora_gu, lora_d = a_gu is not None, a_d is not None
+    g_d = None
+    if lora_d:
+        g_d = _utils.empty((route.n_rows, a_d.shape[1]), dtype, x.device)
+        _grouped_mm(dout, b_d.transpose(1, 2), route, g_d, gather=True)
+    dgu = gu if inplace else _utils.empty(gu.shape, dtype, x.device)
+    store_h = need["down_a"] or need["down"]
+    h, dw_sorted = _glu_backward(
+        dout, w_d.transpose(1, 2), route, layout, g_d, a_d.transpose(1, 2) if lora_d else None,
+        s_d, gu, weights, dgu, store_h, act, alpha, limit,
+    )
+    grads = dict.fromkeys(GRAD_NAMES)
+    if need["topk_weights"]:
+        dw = torch.empty_like(dw_sorted)
+        dw[slots.long()] = dw_sorted
+        dw = dw.view(n, layout.top_k)
+        if down_bias is not None:
+            dw = dw + (dout.float() @ down_bias.float().t()).gather(1, topk_ids.long())
+        grads["topk_weights"] = dw
+    g_gu = None
+    if lora_gu and (need["x"] or need["gate_up_a"]):
+        g_gu = _utils.empty((route.n_rows, a_gu.shape[1]), dtype, x.device)
+        _grouped_mm(dgu, b_gu.transpose(1, 2), route, g_gu)
+    if need["x"]:
+        dx = _utils.empty((route.n_rows, layout.hidden), dtype, x.device)
+        _grouped_mm(dgu, w_gu.transpose(1, 2), route, dx, scatter=True, xa=g_gu,
+                    lb=a_gu.transpose(1, 2) if lora_gu else None, scaling=s_gu)
+        grads["x"] = dx.view(n, layout.top_k, layout.hidden).sum(1, dtype=torch.float32)
+    _lora_grads(grads, need, route, x, dout, dgu, h, g_gu, g_d, xa_gu, xa_d, weights, a_gu,
+                b_gu, a_d, b_d, s_gu, s_d)
+    _weight_grads(grads, need, route, layout, x, dout, dgu, h, weights, gate_up, down, slots)
+    return tuple(grads[name] for name in GRAD_NAMES)
+
+
+def _lora_grads(grads, need, route, x, dout, dgu, h, g_gu, g_d, xa_gu, xa_d, weights, a_gu,
+                b_gu, a_d, b_d, s_gu, s_d):
+    f32 = torch.float32
+
+    def new(like):
+        return _utils.empty(like.shape, f32, like.device)
+
+    if need["gate_up_b"]:
+        grads["gate_up_b"] = _expert_outer(dgu, xa_gu, route, new(b_gu), s_gu)
+    if need["gate_up_a"]:
+        grads["gate_up_a"] = _expert_outer(g_gu, x, route, new(a_gu), s_gu, y_gather=True)
+    if need["down_b"]:
+        grads["down_b"] = _expert_outer(dout, xa_d, route, new(b_d), s_d, x_gather=True,
+                                        scale=weights)
+    if need["down_a"]:
+        grads["down_a"] = _expert_outer(g_d, h, route, new(a_d), s_d, scale=weights)
+
+
+def _weight_grads(grads, need, route, layout, x, dout, dgu, h, weights, gate_up, down, slots):
+    """Full fine-tuning: gradients of the expert weights and biases (stored layout)."""
+    experts = layout.experts
+    if need["gate_up"]:
+        out = _utils.empty(gate_up.shape, x.dtype, x.device)
+        view = out.transpose(1, 2) if layout.transposed else out
+        grads["gate_up"] = out
+        _expert_outer(dgu, x, route, view, y_gather=True)
+    if need["down"]:
+        out = _utils.empty(down.shape, x.dtype, x.device)
+        view = out.transpose(1, 2) if layout.transposed else out
+        grads["down"] = out
+        _expert_outer(dout, h, route, view, x_gather=True, scale=weights)
+    sorted_experts = None
+    if need["gate_up_bias"] or need["down_bias"]:
+        offsets = route.offsets.long()
+        counts = offsets[1:] - offsets[:-1]
+        sorted_experts = torch.repeat_interleave(
+            torch.arange(experts, device=x.device), counts, output_size=route.n_rows
+        )
+    if need["gate_up_bias"]:
+        grads["gate_up_bias"] = torch.zeros(
+            (experts, dgu.shape[1]), dtype=torch.float32, device=x.device
+        ).index_add_(0, sorted_experts, dgu.float())
+    if need["down_bias"]:
+        rows = dout[route.tokens.long()].float() * weights[:, None]
+        grads["down_bias"] = torch.zeros(
+            (experts, layout.hidden), dtype=torch.float32, device=x.device
+        ).index_add_(0, sorted_experts, rows)
+
+
+# ============================================================================ custom ops
+
+_TENSOR_ARGS = (
+    "Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, "
+    "Tensor? gate_up_bias, Tensor? down_bias, Tensor? gate_up_a, Tensor? gate_up_b, "
+    "Tensor? down_a, Tensor? down_b, float s_gate_up, float s_down"
+)
+_LAYOUT_ARGS = "bool transposed, bool interleaved, int activation, float alpha, float limit"
+
+
+def _layout_of(x, topk_ids, gate_up, transposed, interleaved) -> Layout:
+    two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
+    return Layout(gate_up.shape[0], topk_ids.shape[1], x.shape[1], two_i // 2, x.dtype,
+                  transposed, interleaved)
+
+
+def _fake_forward(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
+                  b_gu, a_d, b_d, s_gu, s_d, transposed, interleaved, act, alpha, limit):
+    layout = _layout_of(x, topk_ids, gate_up, transposed, interleaved)
+    n_rows = topk_ids.shape[0] * topk_ids.shape[1]
+    index = {"dtype": torch.int32}
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((n_rows,), **index),
+        x.new_empty((n_rows,), **index),
+        x.new_empty((layout.experts + 1,), **index),
+        x.new_empty((n_rows, 2 * layout.intermediate)),
+        x.new_empty((n_rows, a_gu.shape[1]) if a_gu is not None else (0, 0)),
+        x.new_empty((n_rows, a_d.shape[1]) if a_d is not None else (0, 0)),
+    )
+
+
+@_utils.register_op(
+    f"moe_forward({_TENSOR_ARGS}, {_LAYOUT_ARGS}) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_fake_forward,
+)
+def _forward_op(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu, b_gu,
+                a_d, b_d, s_gu, s_d, transposed, interleaved, act, alpha, limit):
+    layout = _layout_of(x, topk_ids, gate_up, transposed, interleaved)
+    return _forward(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
+                    b_gu, a_d, b_d, s_gu, s_d, layout, act, alpha, limit)
+
+
+def _grad_like(shape, dtype, like, wanted):
+    return like.new_empty(shape if wanted else (0,), dtype=dtype)
+
+
+def _fake_backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias,
+                   a_gu, b_gu, a_d, b_d, s_gu, s_d, tokens, slots, offsets, gu, xa_gu, xa_d,
+                   transposed, interleaved, act, alpha, limit, needs):
+    f32, dtype = torch.float32, x.dtype
+    specs = [
+        (x.shape, dtype), (topk_weights.shape, f32), (gate_up.shape, dtype),
+        (down.shape, dtype), (getattr(gate_up_bias, "shape", (0,)), f32),
+        (getattr(down_bias, "shape", (0,)), f32),
+        *((getattr(t, "shape", (0,)), f32) for t in (a_gu, b_gu, a_d, b_d)),
+    ]
+    return [_grad_like(s, d, x, w) for (s, d), w in zip(specs, needs, strict=True)]
+
+
+@_utils.register_op(
+    f"moe_backward(Tensor grad, {_TENSOR_ARGS}, Tensor tokens, Tensor slots, Tensor offsets, "
+    f"Tensor gu, Tensor xa_gu, Tensor xa_d, {_LAYOUT_ARGS}, bool[] needs) -> Tensor[]",
+    fake=_fake_backward,
+)
+def _backward_op(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
+                 b_gu, a_d, b_d, s_gu, s_d, tokens, slots, offsets, gu, xa_gu, xa_d, transposed,
+                 interleaved, act, alpha, limit, needs):
+    """The functional backward (fresh dgu buffer): traced code (torch.compile) runs this."""
+    layout = _layout_of(x, topk_ids, gate_up, transposed, interleaved)
+    grads = _backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias,
+                      a_gu, b_gu, a_d, b_d, s_gu, s_d, tokens, slots, offsets, gu, xa_gu, xa_d,
+                      layout, act, alpha, limit, needs, inplace=False)
+    return [g if g is not None else x.new_empty((0,)) for g in grads]
+
+
+# ============================================================================ autograd
+
+
+class _MoeFunction(torch.autograd.Function):
+    """Inputs: x, topk_ids, topk_weights, gate_up, down, the two biases, the four LoRA
+    tensors (all in the compute dtype except topk_ids / topk_weights), then the two scalings,
+    the layout flags, the activation code, alpha and limit."""
+
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
+                b_gu, a_d, b_d, s_gu, s_d, transposed, interleaved, act, alpha, limit):
+        tensors = (x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
+                   b_gu, a_d, b_d)
+        eager = _utils.plain_eager(*tensors)
+        args = (*tensors, s_gu, s_d, transposed, interleaved, act, alpha, limit)
+        if eager:
+            layout = _layout_of(x, topk_ids, gate_up, transposed, interleaved)
+            outputs = _forward(*tensors, s_gu, s_d, layout, act, alpha, limit)
+        else:
+            outputs = _forward_op(*args)
+        out, *saved = outputs
+        ctx.save_for_backward(*tensors, *saved)
+        ctx.options = (s_gu, s_d, transposed, interleaved, act, alpha, limit)
+        ctx.flags = tuple(ctx.needs_input_grad)  # read in forward (see ops/lora.py)
+        ctx.overwritten = False
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        inputs, saved = tensors[:11], tensors[11:]
+        s_gu, s_d, transposed, interleaved, act, alpha, limit = ctx.options
+        flags = ctx.flags
+        needs = [flags[0], flags[2], flags[3], flags[4], flags[5], flags[6], *flags[7:11]]
+        needs = [bool(n) and inputs[i] is not None
+                 for n, i in zip(needs, (0, 2, 3, 4, 5, 6, 7, 8, 9, 10), strict=True)]
+        grad = grad.to(inputs[0].dtype)
+        if _utils.plain_eager(grad, *inputs):
+            if ctx.overwritten:
+                raise RuntimeError(
+                    "fusetune.moe_mlp: backward ran twice through one graph (retain_graph=True); "
+                    "its first backward overwrote the saved activations with their gradients. "
+                    "Run the forward again for each backward."
+                )
+            ctx.overwritten = True
+            layout = _layout_of(inputs[0], inputs[1], inputs[3], transposed, interleaved)
+            grads = _backward(grad, *inputs, s_gu, s_d, *saved, layout, act, alpha, limit,
+                              needs, inplace=True)
+        else:
+            grads = _backward_op(grad, *inputs, s_gu, s_d, *saved, transposed, interleaved,
+                                 act, alpha, limit, needs)
+            grads = [g if want else None for g, want in zip(grads, needs, strict=True)]
+        owners = [inputs[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 10)]
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, owners, strict=True)]
+        dx, dw, *rest = grads
+        return (dx, None, dw, *rest, None, None, None, None, None, None, None)
+
+
+# ============================================================================ public function
+
+
+def moe_mlp(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    lora: MoeLora | None = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """Mixture-of-experts expert MLP with optional per-expert LoRA, fused (module docstring).
+
+    Args:
+        x: [N, H] tokens, float32 / float16 / bfloat16.
+        topk_ids: [N, K] int32 / int64 expert of each routed slot, each in [0, E) (not checked
+            on the device: an id outside it is undefined behaviour, as an index would be).
+        topk_weights: [N, K] routing weights (any float dtype).
+        gate_up, down: the expert weights as transformers 5.x stores them: [E, 2I, H] and
+            [E, H, I], or with ``transposed=True`` [E, H, 2I] and [E, I, H] (gpt-oss).
+        activation: "swiglu" or "gpt_oss" (clamped SwiGLU with ``alpha`` and ``limit``).
+        gate_up_bias [E, 2I], down_bias [E, H]: optional (gpt-oss).
+        lora: a :class:`fusetune.reference.moe.MoeLora` (PEFT's target_parameters factors).
+        interleaved: gate/up columns interleaved (gpt-oss) instead of concatenated.
+
+    Returns [N, H] in the compute dtype (the autocast dtype under torch.autocast; else x's and
+    gate_up's, or the 16-bit one of the two). Gradients: x, topk_weights, the LoRA tensors,
+    and the expert weights and biases only where they require grad, each in its own dtype.
+    Backward through one graph works once in eager mode (it overwrites saved activations).
+
+    Raises:
+        TypeError: non-tensor or non-floating arguments, integer topk_ids expected, float16
+            mixed with bfloat16 outside autocast, down's dtype not gate_up's, lora not a MoeLora.
+        ValueError: shapes that do not fit (each argument named with the expected layout),
+            an unknown activation, a non-positive limit, tensors on different devices.
+    """
+    layout = reference.check_moe_args(
+        x, topk_ids, topk_weights, gate_up, down, activation, gate_up_bias, down_bias, lora,
+        transposed, interleaved, alpha, limit,
+    )
+    return moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout, activation,
+                           gate_up_bias, down_bias, lora, alpha, limit)
+
+
+def moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout, activation,
+                    gate_up_bias=None, down_bias=None, lora=None, alpha=1.702, limit=7.0):
+    """:func:`moe_mlp` after ``reference.check_moe_args`` (the integration checks once)."""
+    dtype = layout.dtype
+    if _utils.backend(x) == "reference" or dtype not in _utils.KERNEL_DTYPES:
+        return reference.moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout,
+                                         activation, gate_up_bias, down_bias, lora, alpha, limit)
+    if lora is None:
+        lora = MoeLora(None, None, None, None)
+    s_gu, s_d = lora.scalings
+
+    def cast(t):
+        return None if t is None else t.to(dtype)
+
+    return _MoeFunction.apply(
+        x.to(dtype), topk_ids, topk_weights, cast(gate_up), cast(down), gate_up_bias, down_bias,
+        lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b, s_gu, s_d, layout.transposed,
+        layout.interleaved,
+        ACTIVATION_CODES[activation], float(alpha), float(limit),
+    )
