@@ -20,6 +20,7 @@ from fusetune.ops.linear_attention import gated_delta_rule
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 from fusetune.ops.lm_head import HeadOutput
 from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
+from fusetune.ops.moe import MoeLora, moe_mlp
 from fusetune.ops.quant4 import dequantize_4bit
 from fusetune.ops.rms_norm import add_rms_norm, rms_norm
 from fusetune.ops.rope import rope
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HeadOutput",
+    "MoeLora",
     "__version__",
     "add_rms_norm",
     "apply",
@@ -43,6 +45,7 @@ __all__ = [
     "lora_linear",
     "lora_mlp",
     "lora_qkv",
+    "moe_mlp",
     "nn",
     "reference",
     "revert",

@@ -7,16 +7,19 @@ from fusetune.reference.cross_entropy import cross_entropy
 from fusetune.reference.gated_delta_rule import gated_delta_rule
 from fusetune.reference.grpo import grpo_loss, selective_log_softmax
 from fusetune.reference.linear_cross_entropy import linear_cross_entropy
+from fusetune.reference.moe import MoeLora, moe_mlp
 from fusetune.reference.rms_norm import add_rms_norm, rms_norm
 from fusetune.reference.rope import rope
 
 __all__ = [
+    "MoeLora",
     "add_rms_norm",
     "cross_entropy",
     "gated_delta_rule",
     "geglu",
     "grpo_loss",
     "linear_cross_entropy",
+    "moe_mlp",
     "rms_norm",
     "rope",
     "selective_log_softmax",
