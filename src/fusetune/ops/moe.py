@@ -235,8 +235,7 @@ def _glu_backward_kernel(
     h, d_gate, d_up = _glu(gate, up, ACT, alpha, limit)
     h = h.to(h_ptr.dtype.element_ty).to(tl.float32)  # the forward's rounded h
     weight = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    dh = g.to(dgu_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-    dh = dh.to(dgu_ptr.dtype.element_ty).to(tl.float32)  # dh in the compute dtype, as autograd
+    dh = (g * weight[:, None]).to(dgu_ptr.dtype.element_ty).to(tl.float32)  # as stored by torch
     dgu_rows = rows.to(tl.int64)[:, None] * dgu_stride
     tl.store(dgu_ptr + dgu_rows + gate_cols[None, :],
              (dh * d_gate).to(dgu_ptr.dtype.element_ty), mask=mask)
