@@ -10,11 +10,14 @@ import torch
 from fusetune.finetune.errors import FinetuneError
 from fusetune.finetune.models import DEFAULT_MODEL, TINY_MODELS
 from fusetune.finetune.precision import CHOICES as PRECISIONS
+from fusetune.finetune.schedule import CHOICES as SCHEDULES
 
 DEFAULT_OUTPUT = "fusetune-finetune-output"
 # Learning rates when --lr is not given: the usual ones for real checkpoints, higher for the
 # random-weight tiny models so that a one-minute run visibly learns.
 DEFAULT_LR = {(False, False): 2e-4, (False, True): 2e-5, (True, False): 3e-3, (True, True): 1e-3}
+# --resume with no PATH: the latest checkpoint under --output.
+LATEST = "latest"
 
 
 def _positive_int(text: str) -> int:
@@ -24,6 +27,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -89,8 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=_positive_float,
         default=None,
-        help="AdamW learning rate, constant (default: 2e-4 LoRA / 2e-5 full; "
-        "3e-3 / 1e-3 on the tiny models)",
+        help="AdamW learning rate, the peak of --lr-schedule (default: 2e-4 LoRA / 2e-5 "
+        "full; 3e-3 / 1e-3 on the tiny models)",
+    )
+    how.add_argument(
+        "--lr-schedule", choices=SCHEDULES, default="constant", help="after warmup (constant)"
+    )
+    how.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        default=0,
+        help="linear warmup from lr/N to lr over the first N steps (0)",
     )
     how.add_argument(
         "--max-grad-norm", type=_non_negative_float, default=1.0, help="clip; 0: off (1.0)"
@@ -124,7 +146,42 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the same steps without fusetune and print both side by side",
     )
+    _long_run_options(parser)
     return parser
+
+
+def _long_run_options(parser: argparse.ArgumentParser) -> None:
+    runs = parser.add_argument_group("long runs")
+    runs.add_argument(
+        "--save-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="write an atomic checkpoint into --output every N steps (SIGINT / SIGTERM write "
+        "one too, then stop)",
+    )
+    runs.add_argument(
+        "--keep-checkpoints", type=_positive_int, default=2, metavar="K", help="the last K (2)"
+    )
+    runs.add_argument(
+        "--resume",
+        nargs="?",
+        const=LATEST,
+        default=None,
+        metavar="PATH",
+        help="continue from a checkpoint folder (default: the latest under --output; none yet: "
+        "start at step 1)",
+    )
+    runs.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradient is not finite (counted) instead of stopping",
+    )
+    runs.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA: also write the base with the adapter merged in, to --output/merged",
+    )
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -137,6 +194,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         build_parser().error(
             "argument --load-in-4bit: a 4-bit base is frozen; use LoRA, not --full"
         )
+    if args.merge and args.full:
+        build_parser().error("argument --merge: merges a LoRA adapter; --full saves the model")
+    if args.compare and (args.save_every or args.resume):
+        build_parser().error("argument --compare: runs without checkpoints (no --save-every, "
+                             "--resume)")  # fmt: skip
     args.device = resolve_device(args.device)
     if args.lr is None:
         args.lr = DEFAULT_LR[(args.model in TINY_MODELS, args.full)]

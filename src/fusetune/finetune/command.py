@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 import fusetune
-from fusetune.finetune import data, distributed, models
-from fusetune.finetune.args import parse
-from fusetune.finetune.errors import FinetuneError
-from fusetune.finetune.output import MARKER, check_output, staged_output
+from fusetune.finetune import checkpoint, data, distributed, models, results, schedule
+from fusetune.finetune.args import LATEST, parse
+from fusetune.finetune.errors import FinetuneError, Interrupted
+from fusetune.finetune.output import MARKER, check_output, check_space, staged_output
 from fusetune.finetune.precision import Precision, bf16_supported, choose_precision
 from fusetune.finetune.progress import ProgressBar
 from fusetune.finetune.summary import format_comparison, format_summary
@@ -35,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
     except SystemExit as exc:  # argparse: --help (0), unknown option or bad value (2)
         return exc.code if isinstance(exc.code, int) else 2
+    except Interrupted as exc:
+        print(f"fusetune finetune: stopped: {exc}", file=sys.stderr)
+        return exc.exit_code
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,13 @@ class Plan:
     data_name: str
     examples: int
     dropped: int
+    identity: dict[str, Any]  # what a checkpoint of this run records and must match
+    resume: checkpoint.Checkpoint | None
 
 
 def prepare(args: argparse.Namespace) -> Plan:
     """All checks that can fail on bad input, in the order a user would fix them."""
-    check_output(Path(args.output))
+    check_output(Path(args.output), resuming=args.resume is not None)
     examples, data_name = data.load_examples(args.data)
     spec = models.resolve(args.model)
     device = args.device
@@ -70,7 +75,43 @@ def prepare(args: argparse.Namespace) -> Plan:
     if args.ranks.world > 1:
         micro = [data.rows(batch, rank * size, (rank + 1) * size) for batch in micro]
     steps = [micro[i : i + args.grad_accum] for i in range(0, len(micro), args.grad_accum)]
-    return Plan(args, spec, precision, encoder, steps, data_name, len(examples), dropped)
+    identity = checkpoint.identity(
+        spec.name, spec.config, _adapter_identity(args), checkpoint.data_hash(encoded),
+        {"batch_size": size, "grad_accum": args.grad_accum, "seed": args.seed,
+         "ranks": args.ranks.world, "precision": precision.name},
+    )  # fmt: skip
+    resume = _find_resume(args, identity)
+    return Plan(args, spec, precision, encoder, steps, data_name, len(examples), dropped,
+                identity, resume)  # fmt: skip
+
+
+def _adapter_identity(args: argparse.Namespace) -> dict[str, Any]:
+    if args.full:
+        return {"mode": "full"}
+    return {"mode": "lora", "r": args.lora_r, "alpha": args.lora_alpha,
+            "targets": "all-linear", "4bit": bool(args.load_in_4bit)}  # fmt: skip
+
+
+def _find_resume(args: argparse.Namespace, identity: dict) -> checkpoint.Checkpoint | None:
+    """The checkpoint --resume names (checked against this run), or None: no --resume, or
+    --resume alone and no checkpoint under --output yet (a first run of a restartable job)."""
+    if args.resume is None:
+        return None
+    path = Path(args.output) if args.resume == LATEST else Path(args.resume)
+    if args.resume == LATEST or (path.is_dir() and not (path / checkpoint.META).exists()):
+        found = checkpoint.latest(path)
+        if found is None and args.resume == LATEST:
+            return None
+        if found is None:
+            raise FinetuneError(f"--resume {path}: no checkpoint-<step> folder in it")
+        path = found
+    found = checkpoint.read(path)
+    checkpoint.check_matches(found, identity)
+    if found.step > args.steps:
+        raise FinetuneError(
+            f"--resume {path}: the checkpoint is at step {found.step}, past --steps {args.steps}"
+        )
+    return found
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
         if args.compare:
             baseline, model = train_once(plan, fused=False)
             del model
-        result, model = train_once(plan, fused=True)
+        result, model = train_once(plan, fused=True, checkpoints=_checkpointing(plan))
         saved = save(plan, model, [r for r in (baseline, result) if r is not None])
         lines["saved"] = saved
+        if result.skipped:
+            lines["skipped"] = _describe_skipped(result.skipped)
         if main_rank:
             print(format_summary(result, lines))
             if baseline is not None:
@@ -99,6 +142,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         distributed.finish(args.ranks)
+
+
+def _describe_skipped(skipped: list[int]) -> str:
+    steps = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+    return f"{len(skipped)} steps with a non-finite loss or gradient, not applied (steps {steps})"
+
+
+def _checkpointing(plan: Plan) -> checkpoint.Checkpointing:
+    args = plan.args
+    meta = {"identity": plan.identity, "steps": args.steps, "lr": args.lr,
+            "lr_schedule": args.lr_schedule, "warmup_steps": args.warmup_steps}  # fmt: skip
+    return checkpoint.Checkpointing(
+        Path(args.output), args.save_every, args.keep_checkpoints, meta, args.ranks, plan.resume
+    )
 
 
 def describe(plan: Plan) -> dict[str, str]:
@@ -121,16 +178,37 @@ def describe(plan: Plan) -> dict[str, str]:
         "device": where,
         "precision": plan.precision.describe(),
         "steps": f"{args.steps} x {args.batch_size} sequences x {args.grad_accum} accumulated, "
-        f"seq-len <= {args.seq_len}, lr {args.lr:g}"
+        f"seq-len <= {args.seq_len}, lr {args.lr:g} "
+        f"({schedule.describe(args.lr_schedule, args.warmup_steps)})"
         + (
             f", gradient checkpointing ({args.gradient_checkpointing})"
             if args.gradient_checkpointing
             else ""
         ),
+        **_describe_checkpoints(plan),
     }
 
 
-def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
+def _describe_checkpoints(plan: Plan) -> dict[str, str]:
+    args = plan.args
+    lines = {}
+    if args.save_every:
+        lines["checkpoints"] = (
+            f"every {args.save_every} steps and on SIGINT / SIGTERM, into "
+            f"{args.output}/checkpoint-<step> (the last {args.keep_checkpoints} kept)"
+        )
+    else:
+        lines["checkpoints"] = f"on SIGINT / SIGTERM only, into {args.output}/checkpoint-<step>"
+    if plan.resume is not None:
+        lines["resumed"] = f"from {plan.resume.path} (step {plan.resume.step} of {args.steps})"
+    elif args.resume is not None:
+        lines["resumed"] = f"no checkpoint under {args.output} yet: starting at step 1"
+    return lines
+
+
+def train_once(
+    plan: Plan, fused: bool, checkpoints: checkpoint.Checkpointing | None = None
+) -> tuple[RunResult, torch.nn.Module]:
     """Build the model afresh (same seed, same weights), optionally apply fusetune, train."""
     args = plan.args
     _release(args.device)
@@ -150,12 +228,17 @@ def train_once(plan: Plan, fused: bool) -> tuple[RunResult, torch.nn.Module]:
 
         hf_integration.apply(model)
     label = f"{base} + fusetune" if fused else base
+    if checkpoints is not None:
+        check_space(Path(args.output), checkpoint.estimate_bytes(model), "a checkpoint")
     if args.ranks.world > 1:
         distributed.shard(model)
         label += f" on {args.ranks.world} ranks (FSDP2)"
-    settings = TrainSettings(args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks)
+    settings = TrainSettings(
+        args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks,
+        args.lr_schedule, args.warmup_steps, args.skip_nonfinite,
+    )  # fmt: skip
     progress = ProgressBar(args.steps, label) if args.ranks.main else None
-    return train(model, plan.steps, settings, label, progress), model
+    return train(model, plan.steps, settings, label, progress, checkpoints), model
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:
@@ -190,7 +273,7 @@ def _release(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def save(plan: Plan, model: torch.nn.Module, results: list[RunResult]) -> str:
+def save(plan: Plan, model: torch.nn.Module, runs: list[RunResult]) -> str:
     """Adapter (or model), tokenizer and a run record into --output, all or nothing."""
     args = plan.args
     output = Path(args.output)
@@ -214,9 +297,12 @@ def save(plan: Plan, model: torch.nn.Module, results: list[RunResult]) -> str:
                 k: str(v) if isinstance(v, torch.device | distributed.Ranks) else v
                 for k, v in vars(args).items()
             },
-            "runs": [r.as_dict() for r in results],
+            "runs": [r.as_dict() for r in runs],
         }
         (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        results.write_loss_curve(staging / results.LOSS_CURVE, runs)
+        if args.merge:
+            results.merge_adapter(plan, staging, staging / results.MERGED)
         files = sorted(p.name for p in staging.iterdir())
     what = "model" if args.full else "LoRA adapter"
     return f"{output}/ ({what}: {', '.join(files)})"

@@ -3,6 +3,7 @@ the run without fusetune beside the run with it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from fusetune.finetune.progress import format_duration, format_memory
@@ -13,13 +14,16 @@ GIB = float(1024**3)
 
 
 def final_loss(losses: Sequence[float]) -> float:
-    """Mean of the last tenth of the steps (at least one): less noisy than the last step."""
-    tail = max(1, len(losses) // 10)
-    return sum(losses[-tail:]) / tail
+    """Mean of the last tenth of the steps (at least one): less noisy than the last step.
+    Steps skipped for a non-finite loss are left out (NaN if every step was)."""
+    finite = [v for v in losses if math.isfinite(v)]
+    tail = max(1, len(finite) // 10)
+    return sum(finite[-tail:]) / tail if finite else float("nan")
 
 
 def throughput_note(result: RunResult) -> str:
-    return f"first {WARMUP_STEPS} step left out" if len(result.losses) >= 3 else "all steps"
+    ran = len(result.losses) - result.resumed_from
+    return f"first {WARMUP_STEPS} step left out" if ran >= 3 else "all steps"
 
 
 def format_summary(result: RunResult, lines: dict[str, str]) -> str:
@@ -29,7 +33,9 @@ def format_summary(result: RunResult, lines: dict[str, str]) -> str:
     rows["loss"] = f"{losses[0]:.4f} (step 1) -> {final_loss(losses):.4f} (last steps)"
     rows["throughput"] = f"{result.tokens_per_s:,.0f} tokens/s ({throughput_note(result)})"
     rows["peak memory"] = format_memory(result.peak_memory, result.memory_kind)
-    rows["time"] = f"{format_duration(result.seconds)} for {len(losses)} steps"
+    ran = len(losses) - result.resumed_from
+    resumed = f" (resumed after step {result.resumed_from})" if result.resumed_from else ""
+    rows["time"] = f"{format_duration(result.seconds)} for {ran} steps{resumed}"
     width = max(len(key) for key in rows)
     body = [f"  {key:<{width}}  {value}" for key, value in rows.items()]
     return "\n".join(["fusetune finetune: done", *body])

@@ -1,18 +1,26 @@
-"""The supervised fine-tuning loop: AdamW, gradient accumulation with HF's
-``num_items_in_batch`` (the accumulated loss equals one big batch's), optional loss scaling,
-gradient clipping, one host sync per optimizer step (for the loss the progress bar shows)."""
+"""The supervised fine-tuning loop: AdamW with a learning-rate schedule, gradient accumulation
+with HF's ``num_items_in_batch`` (the accumulated loss equals one big batch's), optional loss
+scaling, gradient clipping, checkpoints (every N steps and on SIGINT / SIGTERM), a stop (or a
+counted skip) on a non-finite loss or gradient. One host sync per optimizer step: the loss, the
+gradient norm and the stop flag together, before the update (so a bad step never updates)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fusetune.finetune import schedule
+from fusetune.finetune.checkpoint import Checkpointing
 from fusetune.finetune.data import Batch
 from fusetune.finetune.distributed import Ranks, all_sum
+from fusetune.finetune.errors import Interrupted, RunStopped
+from fusetune.finetune.interrupt import StopRequests
 from fusetune.finetune.precision import Precision
 from fusetune.finetune.progress import ProgressBar, format_memory, peak_memory
 
@@ -34,6 +42,8 @@ class RunResult:
     seconds: float = 0.0
     peak_memory: int | None = None
     memory_kind: str = ""
+    skipped: list[int] = field(default_factory=list)  # 1-based steps skipped (not finite)
+    resumed_from: int = 0  # the checkpoint's step, 0: started at step 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -42,7 +52,9 @@ class RunResult:
     def as_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
-            "losses": self.losses,
+            "losses": [v if math.isfinite(v) else None for v in self.losses],
+            "skipped_steps": self.skipped,
+            "resumed_from_step": self.resumed_from,
             "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s,
             "seconds": self.seconds,
@@ -58,6 +70,23 @@ class TrainSettings:
     precision: Precision
     device: torch.device
     ranks: Ranks = Ranks()
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    skip_nonfinite: bool = False
+
+
+@dataclass
+class _State:
+    """What one run trains: the parameters (named, for fault messages), optimizer, scaler."""
+
+    model: torch.nn.Module
+    named: list[tuple[str, torch.nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named]
 
 
 def train(
@@ -66,40 +95,87 @@ def train(
     settings: TrainSettings,
     label: str,
     progress: ProgressBar | None = None,
+    checkpoints: Checkpointing | None = None,
 ) -> RunResult:
-    """Run one optimizer step per entry of ``steps`` (each a list of micro-batches)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """Run one optimizer step per entry of ``steps`` (each a list of micro-batches), from the
+    checkpoint ``checkpoints`` resumes, writing the ones it asks for.
+
+    Raises RunStopped on a non-finite loss or gradient (unless ``settings.skip_nonfinite``),
+    Interrupted after SIGINT / SIGTERM (a checkpoint written first, when ``checkpoints``)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = settings.device
     optimizer = torch.optim.AdamW(
-        params, lr=settings.lr, weight_decay=0.0, fused=device.type == "cuda"
+        [p for _, p in named], lr=settings.lr, weight_decay=0.0, fused=device.type == "cuda"
     )
     scaler = torch.amp.GradScaler(device.type) if settings.precision.grad_scaler else None
+    state = _State(model, named, optimizer, scaler)
     result = RunResult(label)
+    first = checkpoints.start(model, optimizer, scaler, result) if checkpoints else 0
     model.train()
-    skip = WARMUP_STEPS if len(steps) >= 3 else 0
+    skip = first + (WARMUP_STEPS if len(steps) - first >= 3 else 0)
     start = time.perf_counter()
     try:
-        for index, micro_batches in enumerate(steps):
-            step_start = time.perf_counter()
-            loss = _step(model, micro_batches, optimizer, scaler, params, settings)
-            seconds = time.perf_counter() - step_start
-            tokens = sum(batch.tokens for batch in micro_batches)
-            result.losses.append(loss)
-            result.tokens += tokens
-            if index >= skip:
-                result.timed_tokens += tokens
-                result.timed_seconds += seconds
-            result.peak_memory, result.memory_kind = peak_memory(device)
-            if progress is not None:
-                rate = result.tokens_per_s or tokens / seconds
-                memory = format_memory(result.peak_memory, result.memory_kind)
-                elapsed = time.perf_counter() - start
-                progress.update(index + 1, loss, rate, memory, elapsed)
+        with StopRequests() as requests:
+            for index in range(first, len(steps)):
+                step_start = time.perf_counter()
+                factor = schedule.lr_factor(
+                    index, len(steps), settings.lr_schedule, settings.warmup_steps
+                )
+                schedule.set_lr(optimizer, settings.lr, factor)
+                loss, fault, stop = _step(state, steps[index], settings, requests.signum)
+                if fault is not None:
+                    _on_fault(index + 1, fault, settings, checkpoints, result)
+                seconds = time.perf_counter() - step_start
+                tokens = _record(result, steps[index], loss, seconds, index >= skip, device)
+                if progress is not None:
+                    rate = result.tokens_per_s or tokens / max(seconds, 1e-9)
+                    memory = format_memory(result.peak_memory, result.memory_kind)
+                    progress.update(index + 1, loss, rate, memory, time.perf_counter() - start)
+                done = index + 1
+                stop = stop or (settings.ranks.world == 1 and requests.signum > 0)
+                if checkpoints is not None and (stop or checkpoints.due(done)):
+                    checkpoints.save(done, model, optimizer, scaler, result)
+                if stop:
+                    _interrupted(requests.signum or int(signal.SIGTERM), done, checkpoints)
     finally:
         if progress is not None:
             progress.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _record(result: RunResult, micro_batches, loss: float, seconds, timed, device) -> int:
+    tokens = sum(batch.tokens for batch in micro_batches)
+    result.losses.append(loss)
+    result.tokens += tokens
+    if timed:
+        result.timed_tokens += tokens
+        result.timed_seconds += seconds
+    result.peak_memory, result.memory_kind = peak_memory(device)
+    return tokens
+
+
+def _on_fault(step: int, fault: str, settings, checkpoints, result: RunResult) -> None:
+    if settings.skip_nonfinite:
+        result.skipped.append(step)
+        return
+    last = checkpoints.last_good if checkpoints is not None else None
+    where = (
+        f"the last good checkpoint is {last} (--resume {last} continues from it; "
+        "--skip-nonfinite skips such steps)"
+        if last is not None
+        else "no checkpoint was written before it (--save-every N writes them)"
+    )
+    raise RunStopped(f"step {step}: the {fault} is not finite; stopped; {where}")
+
+
+def _interrupted(signum: int, step: int, checkpoints) -> None:
+    name = signal.Signals(signum).name
+    if checkpoints is not None:
+        saved = f"checkpoint written: {checkpoints.last_good} (--resume continues from it)"
+    else:
+        saved = "no checkpoint written"
+    raise Interrupted(f"{name} after step {step}: {saved}", signum)
 
 
 def _autocast(precision: Precision, device: torch.device):
@@ -108,8 +184,13 @@ def _autocast(precision: Precision, device: torch.device):
     return torch.autocast(device.type, dtype=precision.compute_dtype)
 
 
-def _step(model, micro_batches, optimizer, scaler, params, settings: TrainSettings) -> float:
+def _step(
+    state: _State, micro_batches, settings: TrainSettings, signum: int
+) -> tuple[float, str | None, bool]:
+    """One optimizer step: (the loss, what was not finite or None, whether any rank was asked
+    to stop). A step with a non-finite loss or gradient does not update the weights."""
     device, precision = settings.device, settings.precision
+    model, optimizer, scaler = state.model, state.optimizer, state.scaler
     # The loss of every micro-batch is its sum over tokens / the step's token count, so the
     # accumulated gradient is that of the mean over the whole step, however tokens fall.
     ranks = settings.ranks
@@ -128,15 +209,48 @@ def _step(model, micro_batches, optimizer, scaler, params, settings: TrainSettin
         scaled = loss * ranks.world  # FSDP2 averages gradients over ranks: sum them instead
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += loss.detach().float()
-    total = all_sum(total, ranks)
+    # the stop flag rides with the loss: every rank learns that one was signalled
+    packed = all_sum(torch.stack([total, torch.tensor(float(signum > 0), device=device)]), ranks)
     if scaler is not None:
         scaler.unscale_(optimizer)
-    if settings.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
+    grads = [p.grad for p in state.params if p.grad is not None]
+    norm = _total_norm(grads)  # what clip_grad_norm_ computes; clipped below, once it is known
+    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+    values = torch.stack([packed[0], full.to(packed.dtype).reshape(()), packed[1]])
+    loss_value, norm_value, stop = values.tolist()  # sync
+    fault = None
+    if not math.isfinite(loss_value):
+        fault = "loss"
+    elif scaler is None and not math.isfinite(norm_value):  # fp16: the scaler skips overflow
+        fault = f"gradient of {_nonfinite_gradient(state.named, ranks)}"
+    if fault is None:
+        if settings.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(state.params, settings.max_grad_norm, norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(total)  # the step's one host-device sync
+    return loss_value, fault, stop > 0
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over every gradient (clip_grad_norm_'s): not finite iff an element is not."""
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+
+def _nonfinite_gradient(named: list[tuple[str, torch.nn.Parameter]], ranks: Ranks) -> str:
+    """The first parameter whose gradient holds a NaN or inf (a flag per parameter summed over
+    ranks, so each rank's shard counts); only on the faulty step."""
+    flags = []
+    for _, param in named:
+        grad = param.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        bad = local is not None and not bool(torch.isfinite(local).all())
+        flags.append(float(bad))
+    found = all_sum(torch.tensor(flags, device=named[0][1].device), ranks)
+    for (name, _), flag in zip(named, found.tolist(), strict=True):
+        if flag > 0:
+            return name
+    return "a parameter"
