@@ -307,3 +307,117 @@ def test_large_shapes(dtype, model):
         )
         kwargs = GPT_OSS
     check(tensors, dtype, ["x", "topk_weights", *LORA_NAMES], **kwargs)
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def _tiny_model(family: str):
+    """A 1-layer model of ``family`` from its config (random weights), fp32, router aux loss on."""
+    import transformers
+
+    common = dict(
+        vocab_size=64,
+        hidden_size=H,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts_per_tok=K,
+        output_router_logits=True,
+        router_aux_loss_coef=0.05,
+    )
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=64, moe_intermediate_size=INTER, num_experts=E
+        )
+        model_type = transformers.Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=INTER, num_local_experts=E)
+        model_type = transformers.MixtralForCausalLM
+    else:
+        config = transformers.GptOssConfig(
+            **common, intermediate_size=INTER, num_local_experts=E, swiglu_limit=0.05
+        )
+        model_type = transformers.GptOssForCausalLM
+    model = model_type(config).to(DEVICE)
+    with torch.no_grad():  # weights at unit scale of their fan-in, biases non-zero
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.copy_(torch.randn_like(p) / (p.shape[-1] if p.dim() == 3 else 4) ** 0.5)
+    return model
+
+
+def _train(model, batches, steps_lr=0.05):
+    losses, grads = [], []
+    optimizer = torch.optim.SGD(model.parameters(), lr=steps_lr)
+    for ids in batches:
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+    return losses, grads
+
+
+def _same_training(model, routed, batches):
+    from fusetune.integrations import moe as integration
+
+    before = integration.CALLS["moe_mlp"]
+    want_losses, want_grads = _train(model, batches)
+    got_losses, got_grads = _train(routed, batches)
+    assert integration.CALLS["moe_mlp"] - before == len(batches)  # one MoE layer, every step
+    for step, (got, want) in enumerate(zip(got_losses, want_losses, strict=True)):
+        assert_close(f"loss {step}", got, want, 1e-5)
+    for step, (got, want) in enumerate(zip(got_grads, want_grads, strict=True)):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert_close(f"step {step} grad {name}", got[name], want[name], 1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_route_trains_like_transformers(family):
+    """Full fine-tuning of a tiny model, routed and not, on the same batches: same losses (with
+    the router's aux loss) and gradients of every parameter, experts included, in fp32."""
+    import copy
+
+    from fusetune.integrations import moe as integration
+
+    model = _tiny_model(family)
+    routed = copy.deepcopy(model)
+    assert integration.route(routed) == 1
+    assert integration.route(routed) == 1  # idempotent
+    batches = [torch.randint(0, 64, (2, 6), device=DEVICE) for _ in range(2)]
+    _same_training(model, routed, batches)
+    assert integration.unroute(routed) == 1
+    assert "forward" not in vars(routed.model.layers[0].mlp.experts)
+
+
+def test_route_peft_target_parameters():
+    """PEFT 0.21's LoRA on the 3-D expert parameters: routed through moe_mlp with PEFT's own
+    A and B (gradients reach them), same losses and adapter gradients as PEFT's forward."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from fusetune.integrations import moe as integration
+
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    model = get_peft_model(_tiny_model("qwen3_moe"), config)
+    routed = copy.deepcopy(model)
+    assert integration.route(routed) == 1
+    batches = [torch.randint(0, 64, (2, 6), device=DEVICE) for _ in range(2)]
+    _same_training(model, routed, batches)
+    with routed.disable_adapter():  # adapters off: the base experts alone, still fused
+        with model.disable_adapter():
+            ids = batches[0]
+            assert_close(
+                "disabled", routed(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5
+            )

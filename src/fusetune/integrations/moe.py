@@ -1,0 +1,195 @@
+"""Route the expert MLPs of a live transformers 5.x model through :func:`fusetune.moe_mlp`.
+
+``route(model)`` finds every experts module transformers' ``@use_experts_implementation``
+builds (Qwen3-MoE, Qwen3.5-MoE, Mixtral, gpt-oss, and any other with 3-D ``gate_up_proj`` /
+``down_proj``, a gate and a SiLU or gpt-oss activation) and gives that module instance a forward
+that calls the fused op on its own parameters, in place (no copy, no new parameters). The
+router, its top-k, the routing weights and the auxiliary load-balancing loss stay transformers'
+own: only ``experts(hidden, top_k_index, top_k_weights)`` changes. ``unroute(model)`` restores.
+
+PEFT: LoRA on the experts through PEFT 0.21's ``LoraConfig(target_parameters=[...
+"gate_up_proj", ..."down_proj"])`` wraps the experts module in (nested) ``ParamWrapper``
+modules. ``route`` then patches the outermost wrapper: its forward reads the adapter's A and B
+(views of PEFT's own ``lora_A`` / ``lora_B`` weights, per expert exactly as PEFT's
+``get_delta_factors``) into a :class:`fusetune.MoeLora` on every call, so gradients reach
+PEFT's parameters and the adapter's state (active, disabled, merged) is honoured. Several
+active adapters at once fall back to PEFT's own forward. Without PEFT, fusetune's own adapter is
+a ``MoeLora`` passed to ``moe_mlp`` directly.
+
+Not routed (left to transformers): experts without a gate, with a post-expert norm, under
+expert parallelism, or with another activation.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fusetune.ops.moe import MoeLora, moe_mlp
+
+# How many times the fused path ran (tests assert it moved: no silent fallback).
+CALLS = {"moe_mlp": 0, "peft_fallback": 0}
+
+
+class _Spec(NamedTuple):
+    base: nn.Module  # the transformers experts module
+    wrappers: tuple  # PEFT ParamWrappers around it, outermost first
+    activation: str
+
+
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _param_wrapper_type():
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # pragma: no cover - peft is optional
+        return None
+    return ParamWrapper
+
+
+def _activation(base: nn.Module) -> str | None:
+    """ "swiglu" or "gpt_oss" when the module's gate is one moe_mlp computes, else None."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    apply_gate = getattr(type(base), "_apply_gate", None)
+    if apply_gate is _default_apply_gate:
+        act = getattr(base, "act_fn", None)
+        silu = type(act).__name__ in ("SiLUActivation", "SiLU") or isinstance(act, nn.SiLU)
+        return "swiglu" if silu else None
+    if type(base).__name__ == "GptOssExperts" and hasattr(base, "alpha"):
+        return "gpt_oss"
+    return None
+
+
+def _routable(base: nn.Module) -> str | None:
+    """The activation of a transformers experts module fused by moe_mlp, else None."""
+    gate_up = getattr(base, "gate_up_proj", None)
+    down = getattr(base, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return None
+    if gate_up.dim() != 3 or down.dim() != 3 or not getattr(base, "has_gate", False):
+        return None
+    if getattr(base, "has_post_expert_norm", False) or getattr(base, "_is_expert_parallel", True):
+        return None
+    has_bias = getattr(base, "has_bias", False)
+    if has_bias != (getattr(base, "gate_up_proj_bias", None) is not None):
+        return None
+    return _activation(base)
+
+
+def _chain(module: nn.Module, wrapper_type) -> tuple[tuple, nn.Module]:
+    wrappers = []
+    while wrapper_type is not None and isinstance(module, wrapper_type):
+        wrappers.append(module)
+        module = module.base_layer
+    return tuple(wrappers), module
+
+
+def _candidates(model: nn.Module):
+    """(top module, spec) for each experts module, its PEFT wrappers' outermost as the top."""
+    wrapper_type = _param_wrapper_type()
+    inner = set()
+    if wrapper_type is not None:
+        inner = {id(m.base_layer) for m in model.modules() if isinstance(m, wrapper_type)}
+    for module in model.modules():
+        if id(module) in inner:
+            continue
+        wrappers, base = _chain(module, wrapper_type)
+        if any(w.parameter_name not in ("gate_up_proj", "down_proj") for w in wrappers):
+            continue
+        activation = _routable(base)
+        if activation is not None:
+            yield module, _Spec(base, wrappers, activation)
+
+
+def route(model: nn.Module) -> int:
+    """Make every routable experts module of ``model`` run through moe_mlp; return how many
+    are routed (already routed ones included; calling twice changes nothing)."""
+    count = 0
+    for module, spec in _candidates(model):
+        if module not in _ROUTED:
+            _ROUTED[module] = spec
+            module.forward = types.MethodType(_routed_forward, module)
+        count += 1
+    return count
+
+
+def unroute(model: nn.Module) -> int:
+    """Undo :func:`route` on ``model``; return how many modules were restored."""
+    count = 0
+    for module in list(model.modules()):
+        if _ROUTED.pop(module, None) is not None:
+            del module.forward  # the instance attribute; the class's forward shows again
+            count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------- the forward
+
+
+def _peft_factors(wrapper, experts: int):
+    """(A [E, r, in], B [E, out, r], scaling) of the wrapper's one active adapter, None when it
+    adds nothing now (disabled, merged, no adapter here), or "many" for several adapters."""
+    if wrapper.disable_adapters or wrapper.merged:
+        return None
+    active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+    if not active:
+        return None
+    if len(active) > 1:
+        return "many"
+    name = active[0]
+    a = wrapper.lora_A[name].weight
+    b = wrapper.lora_B[name].weight
+    a = a.reshape(experts, -1, a.shape[-1])
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+    return a, b, float(wrapper.scaling[name])
+
+
+def _lora(spec: _Spec):
+    """The MoeLora of the PEFT wrappers' current state; None without one; "many" to fall back."""
+    factors = {}
+    experts = spec.base.gate_up_proj.shape[0]
+    for wrapper in spec.wrappers:
+        found = _peft_factors(wrapper, experts)
+        if found == "many":
+            return "many"
+        if found is not None:
+            factors[wrapper.parameter_name] = found
+    if not factors:
+        return None
+    gate_up = factors.get("gate_up_proj", (None, None, 1.0))
+    down = factors.get("down_proj", (None, None, gate_up[2]))
+    return MoeLora(
+        gate_up[0], gate_up[1], down[0], down[1], scaling=gate_up[2], down_scaling=down[2]
+    )
+
+
+def _routed_forward(self, hidden_states, top_k_index, top_k_weights):
+    spec = _ROUTED[self]
+    lora = _lora(spec) if spec.wrappers else None
+    if lora == "many":
+        CALLS["peft_fallback"] += 1
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    base = spec.base
+    out = moe_mlp(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        base.gate_up_proj,
+        base.down_proj,
+        activation=spec.activation,
+        gate_up_bias=getattr(base, "gate_up_proj_bias", None),
+        down_bias=getattr(base, "down_proj_bias", None),
+        lora=lora,
+        transposed=bool(getattr(base, "is_transposed", False)),
+        interleaved=not getattr(base, "is_concatenated", True),
+        alpha=float(getattr(base, "alpha", 1.702)),
+        limit=float(getattr(base, "limit", 7.0)),
+    )
+    CALLS["moe_mlp"] += 1
+    return out.to(hidden_states.dtype)
