@@ -332,6 +332,12 @@ def _tiny_model(family: str):
             **common, intermediate_size=64, moe_intermediate_size=INTER, num_experts=E
         )
         model_type = transformers.Qwen3MoeForCausalLM
+    elif family == "qwen3_5_moe":
+        config = transformers.Qwen3_5MoeTextConfig(
+            **common, moe_intermediate_size=INTER, shared_expert_intermediate_size=16,
+            num_experts=E, layer_types=["full_attention"],
+        )
+        model_type = transformers.Qwen3_5MoeForCausalLM
     elif family == "mixtral":
         config = transformers.MixtralConfig(**common, intermediate_size=INTER, num_local_experts=E)
         model_type = transformers.MixtralForCausalLM
@@ -376,7 +382,7 @@ def _same_training(model, routed, batches):
             assert_close(f"step {step} grad {name}", got[name], want[name], 1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "mixtral", "gpt_oss"])
 def test_route_trains_like_transformers(family):
     """Full fine-tuning of a tiny model, routed and not, on the same batches: same losses (with
     the router's aux loss) and gradients of every parameter, experts included, in fp32."""
