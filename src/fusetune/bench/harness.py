@@ -42,6 +42,7 @@ CASE_MODULES: dict[str, str] = {
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
     "log_probs": "fusetune.bench.cases_grpo",
     "lora": "fusetune.bench.cases_lora",
+    "moe": "fusetune.bench.cases_moe",
     "rms_norm": "fusetune.bench.cases_rms_norm",
     "rope": "fusetune.bench.cases_rope",
     "swiglu": "fusetune.bench.cases_swiglu",
