@@ -8,6 +8,7 @@ dg a reverse running sum of terms that cancel, so fp32 5e-5 and fp16 1e-2; bf16 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -115,11 +116,12 @@ def test_reference_matches_transformers(name):
 # ----------------------------------------------------------------------------- the kernels
 
 
-@pytest.mark.parametrize("algo", ALGOS)
 @matrix()
-def test_matrix(algo, dtype, autocast, mode, layout):
+def test_matrix(dtype, autocast, mode, layout):
     """Output, final state and every gradient (q, k, v, g, beta, initial state), with grouped
-    value heads and sizes that pad every block (K = 12, V = 20)."""
+    value heads and sizes that pad every block (K = 12, V = 20). Both modes run the same
+    kernels today, so the matrix runs the default mode; the other tests run both."""
+    algo = "chunk"
     assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
     inputs = make_inputs(batch=2, seq_len=8)
     run_check(inputs, dtype, algo, mode=mode, autocast=autocast, layout=layout)
@@ -342,3 +344,126 @@ def test_key_dim_limit():
     assert_raises(
         ValueError, "K (q/k last dim) = 300 exceeds 256", fusetune.gated_delta_rule, *args
     )
+
+
+# ----------------------------------------------------------------------------- integration
+
+
+def tiny_qwen3_5(seed=0):
+    """A 2-layer Qwen3.5 text model (one Gated DeltaNet layer, one attention layer), fp32, with
+    two value heads a key head as the real models have."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.Qwen3_5ForCausalLM(config).float().to(DEVICE)
+
+
+@pytest.fixture
+def call_counter(monkeypatch):
+    from fusetune.integrations import gated_delta
+
+    calls = []
+    original = gated_delta._call
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["mode"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gated_delta, "_call", spy)
+    return calls
+
+
+def train_steps(model, batches, lr=0.1):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for ids in batches:
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return losses, grads
+
+
+GATE_PARAMETERS = ("dt_bias", "A_log", "in_proj_a.weight")
+
+
+def test_route_tiny_qwen3_5_trains_like_transformers(call_counter):
+    """Patched and unpatched training from the same weights on the same batches: equal losses
+    (fp32, 1e-5) for three steps and equal gradients, the fused path counted; unroute restores
+    transformers' own functions.
+
+    The gate parameters (dt_bias, A_log, in_proj_a) are held to the float64 model instead:
+    transformers' fp32 chunk loop is 2e-3 off there (its dg loses the strongly decaying heads,
+    exp(g) ~ 1e-7), fusetune 1e-6."""
+    from fusetune.integrations import gated_delta
+
+    modeling = sys.modules[type(gated_delta_layer(tiny_qwen3_5())).__module__]
+    originals = [getattr(modeling, name) for name, _, _ in gated_delta.SEAMS]
+    plain, routed, exact = tiny_qwen3_5(), tiny_qwen3_5(), tiny_qwen3_5().double()
+    batches = [torch.randint(0, 97, (2, 14), device=DEVICE) for _ in range(3)]
+    want_losses, want_grads = train_steps(plain, batches)
+    assert gated_delta.route(routed) == 1
+    assert gated_delta.route(routed) == 1  # idempotent
+    gated_delta.route(exact)
+    try:
+        losses, grads = train_steps(routed, batches)
+        _, exact_grads = train_steps(exact, batches[:1])
+    finally:
+        assert gated_delta.unroute(routed) == 1
+        gated_delta.unroute(exact)
+    assert call_counter == ["chunk"] * 4
+    assert [getattr(modeling, name) for name, _, _ in gated_delta.SEAMS] == originals
+    for step, (loss, want) in enumerate(zip(losses, want_losses, strict=True)):
+        assert_close(f"loss step {step}", loss, want, 1e-5)
+        for name, grad in grads[step].items():
+            if not name.endswith(GATE_PARAMETERS):
+                assert_close(f"grad {name} step {step}", grad, want_grads[step][name], 1e-5)
+    for name, grad in grads[0].items():
+        assert_close(f"grad {name} vs float64", grad, exact_grads[0][name], 1e-5)
+
+
+def gated_delta_layer(model):
+    from fusetune.integrations import gated_delta
+
+    (layer,) = gated_delta.gated_delta_layers(model)
+    return layer
+
+
+def test_route_decoding_with_cache(call_counter):
+    """Prefill then one cached token: the chunk and the recurrent seams with carried states
+    match transformers' (the recurrent one takes the cached state as initial_state)."""
+    from fusetune.integrations import gated_delta
+
+    model = tiny_qwen3_5().eval()
+    ids = torch.randint(0, 97, (2, 9), device=DEVICE)
+
+    def decode():
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :-1], use_cache=True)
+            second = model(input_ids=ids[:, -1:], past_key_values=first.past_key_values)
+        return first.logits, second.logits
+
+    want = decode()
+    gated_delta.route(model)
+    try:
+        got = decode()
+    finally:
+        gated_delta.unroute(model)
+    assert call_counter == ["chunk", "recurrent"]
+    for a, b in zip(got, want, strict=True):
+        assert_close("logits", a, b, 1e-5)
+
+
+def test_route_leaves_other_models_alone():
+    from fusetune.integrations import gated_delta
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert gated_delta.route(model) == 0
+    assert gated_delta.unroute(model) == 0

@@ -3,13 +3,12 @@ columns) walks the tokens one by one with its [K, BV] slice of the fp32 state in
 Columns of the state never mix (u = S^T k reads each column alone), so value blocks are
 independent programs; only dq, dk, dbeta and dg sum over them (fp32 partials, summed on the host).
 
-Forward: the recurrence of ``fusetune.reference.gated_delta_rule``. Backward, three sweeps
+Forward: the recurrence of ``fusetune.reference.gated_delta_rule``. Backward, two sweeps
 (math in ``gated_delta_rule.py``):
   1. forward in time: recompute S; keep e_t = v_t - S'^T k_t (fp32), dq_t = scale S_t do_t,
-     o_t . do_t, and <dS_T, S_T> (the final state's share of dg).
-  2. backward in time: carry the state gradient L; dv, dbeta, the first part of dk
-     (beta L e), dg as a reverse running sum, dd = L^T k (fp32, for sweep 3) and dh0.
-  3. forward in time: recompute S; the second part of dk, -beta S' dd.
+     and the state before every C-th token (checkpoints).
+  2. backward in time: carry the state gradient L; at each token rebuild S'_t from its block's
+     checkpoint (up to C - 1 steps), then dv, dk, dbeta, dg = <dS'_t, S'_t>, and dh0.
 Internal fp32 buffers are contiguous, indexed by row r = (b * T + t) * HV + h.
 """
 
@@ -31,6 +30,8 @@ def block_v(value_dim: int, key_dim: int, interpreting: bool) -> int:
 
 
 MAX_BV_INTERPRET = 64  # tests lower it to run several value blocks
+# Tokens between state checkpoints of the backward: sweep 2 redoes (C - 1) / 2 steps a token.
+CHECKPOINT_EVERY = 8
 
 
 @triton.jit
@@ -80,14 +81,25 @@ def fwd_kernel(
 
 
 @triton.jit
+def _checkpoint_slot(i_n, bos, T, C: tl.constexpr, VARLEN: tl.constexpr):
+    """First checkpoint slot of sequence ``i_n``: packed sequence n owns slots from
+    bos // C + n on (at most T // C + N + 1 slots in all), a batch row cdiv(T, C) of them."""
+    if VARLEN:
+        return bos // C + i_n
+    else:
+        return i_n * tl.cdiv(T, C)
+
+
+@triton.jit
 def bwd_prep_kernel(
-    q, k, v, g, beta, do, h0, dhT, e_buf, od_buf, dq_buf, f_buf, cu,
+    q, k, v, g, beta, do, h0, e_buf, dq_buf, ckpt, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
     scale, T, HV, NVB, GROUP: tl.constexpr, K, V, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
+    C: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Sweep 1 (forward in time): e, o . do, dq (partials per value block), <dS_T, S_T>."""
+    """Sweep 1 (forward in time): e = v - S'^T k, dq (partials per value block), and the state
+    before every C-th token of the sequence (checkpoints for sweep 2)."""
     i_v, i_n, i_h, i_hk, i_b, bos, eos = _program(cu, T, HV, GROUP, VARLEN)
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
@@ -97,14 +109,16 @@ def bwd_prep_kernel(
     g += i_b * sg_b + i_h * sg_h
     beta += i_b * sb_b + i_h * sb_h
     do += i_b * sd_b + i_h * sd_h
-    state_at = (i_n * HV + i_h) * K * V + ck[:, None] * V + cv[None, :]
+    tile = ck[:, None] * V + cv[None, :]
     mkv = mk[:, None] & mv[None, :]
+    slot = _checkpoint_slot(i_n, bos, T, C, VARLEN)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        S += tl.load(h0 + state_at, mask=mkv, other=0.0).to(tl.float32)
+        S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
     for t in range(bos, eos):
+        if (t - bos) % C == 0:
+            tl.store(ckpt + ((slot + (t - bos) // C) * HV + i_h) * K * V + tile, S, mask=mkv)
         row = (i_b * T + t) * HV + i_h
-        q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
         k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
         v_t = tl.load(v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
         do_t = tl.load(do + t * sd_t + cv, mask=mv, other=0.0).to(tl.float32)
@@ -113,25 +127,22 @@ def bwd_prep_kernel(
         e_t = v_t - tl.sum(S * k_t[:, None], axis=0)
         tl.store(e_buf + row * V + cv, e_t, mask=mv)
         S = S + k_t[:, None] * (b_t * e_t)[None, :]
-        o_t = tl.sum(S * q_t[:, None], axis=0)
-        tl.store(od_buf + row * NVB + i_v, tl.sum(o_t * do_t, axis=0))
         dq_t = tl.sum(S * do_t[None, :], axis=1) * scale
         tl.store(dq_buf + (row * NVB + i_v) * K + ck, dq_t, mask=mk)
-    if HAS_DHT:
-        dS = tl.load(dhT + state_at, mask=mkv, other=0.0).to(tl.float32)
-        tl.store(f_buf + (i_n * HV + i_h) * NVB + i_v, tl.sum(tl.sum(dS * S, axis=1), axis=0))
 
 
 @triton.jit
 def bwd_reverse_kernel(
-    q, k, v, g, beta, do, dv, dhT, e_buf, od_buf, f_buf, dk_buf, dbeta_buf, dg_buf, dd_buf,
-    dh0, cu,
+    q, k, v, g, beta, do, dv, dhT, e_buf, ckpt, dk_buf, dbeta_buf, dg_buf, dh0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h, scale, T, HV, NVB, GROUP: tl.constexpr, K, V, BK: tl.constexpr,
-    BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Sweep 2 (backward in time): dv; partials of dk (first part), dbeta and dg; dd; dh0."""
+    """Sweep 2 (backward in time): carry L = dLoss/dS_t; at each token rebuild the decayed state
+    S'_t from the checkpoint of its block (at most C - 1 steps, from the kept e), then dv, and
+    the partials of dk, dbeta and dg = <dS', S'> (direct: no running sum that would cancel when
+    exp(g) is tiny); dh0 at the end."""
     i_v, i_n, i_h, i_hk, i_b, bos, eos = _program(cu, T, HV, GROUP, VARLEN)
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
@@ -142,65 +153,38 @@ def bwd_reverse_kernel(
     beta += i_b * sb_b + i_h * sb_h
     do += i_b * sd_b + i_h * sd_h
     dv += i_b * sdv_b + i_h * sdv_h
-    state_at = (i_n * HV + i_h) * K * V + ck[:, None] * V + cv[None, :]
+    tile = ck[:, None] * V + cv[None, :]
     mkv = mk[:, None] & mv[None, :]
-    L = tl.zeros([BK, BV], dtype=tl.float32)  # dLoss / dS_t
-    acc = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)  # dg_t, a reverse running sum
+    slot = _checkpoint_slot(i_n, bos, T, C, VARLEN)
+    L = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
-        L += tl.load(dhT + state_at, mask=mkv, other=0.0).to(tl.float32)
-        acc += tl.load(f_buf + (i_n * HV + i_h) * NVB + i_v)
+        L += tl.load(dhT + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
     for i in range(0, eos - bos):
         t = eos - 1 - i
         row = (i_b * T + t) * HV + i_h
+        block_start = bos + ((t - bos) // C) * C
+        S = tl.load(ckpt + ((slot + (t - bos) // C) * HV + i_h) * K * V + tile, mask=mkv,
+                    other=0.0)
+        for s in range(block_start, t):
+            k_s = tl.load(k + s * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
+            e_s = tl.load(e_buf + ((i_b * T + s) * HV + i_h) * V + cv, mask=mv, other=0.0)
+            b_s = tl.load(beta + s * sb_t).to(tl.float32)
+            S = S * tl.exp(tl.load(g + s * sg_t).to(tl.float32))
+            S = S + k_s[:, None] * (b_s * e_s)[None, :]
+        decay = tl.exp(tl.load(g + t * sg_t).to(tl.float32))
+        S = S * decay  # S'_t
         q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
         k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
-        v_t = tl.load(v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
         do_t = tl.load(do + t * sd_t + cv, mask=mv, other=0.0).to(tl.float32)
         b_t = tl.load(beta + t * sb_t).to(tl.float32)
         e_t = tl.load(e_buf + row * V + cv, mask=mv, other=0.0)
         L = L + q_t[:, None] * do_t[None, :]
         dd_t = tl.sum(L * k_t[:, None], axis=0)
-        dv_t = b_t * dd_t
-        tl.store(dv + t * sdv_t + cv, dv_t.to(dv.dtype.element_ty), mask=mv)
-        tl.store(dd_buf + row * V + cv, dd_t, mask=mv)
+        tl.store(dv + t * sdv_t + cv, (b_t * dd_t).to(dv.dtype.element_ty), mask=mv)
         tl.store(dbeta_buf + row * NVB + i_v, tl.sum(dd_t * e_t, axis=0))
-        dk_t = tl.sum(L * (b_t * e_t)[None, :], axis=1)
+        dk_t = tl.sum(L * (b_t * e_t)[None, :] - S * (b_t * dd_t)[None, :], axis=1)
         tl.store(dk_buf + (row * NVB + i_v) * K + ck, dk_t, mask=mk)
-        acc += tl.load(od_buf + row * NVB + i_v) - tl.sum(v_t * dv_t, axis=0)
-        tl.store(dg_buf + row * NVB + i_v, acc)
-        decay = tl.exp(tl.load(g + t * sg_t).to(tl.float32))
-        L = (L - k_t[:, None] * (b_t * dd_t)[None, :]) * decay
-    tl.store(dh0 + state_at, L, mask=mkv)
-
-
-@triton.jit
-def bwd_dk_kernel(
-    k, g, beta, h0, e_buf, dd_buf, dk_buf, cu,
-    sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
-    T, HV, NVB, GROUP: tl.constexpr, K, V, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """Sweep 3 (forward in time): dk += -beta_t S'_t dd_t (S' the decayed state before the
-    write), S rebuilt from the kept e."""
-    i_v, i_n, i_h, i_hk, i_b, bos, eos = _program(cu, T, HV, GROUP, VARLEN)
-    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
-    k += i_b * sk_b + i_hk * sk_h
-    g += i_b * sg_b + i_h * sg_h
-    beta += i_b * sb_b + i_h * sb_h
-    state_at = (i_n * HV + i_h) * K * V + ck[:, None] * V + cv[None, :]
-    mkv = mk[:, None] & mv[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        S += tl.load(h0 + state_at, mask=mkv, other=0.0).to(tl.float32)
-    for t in range(bos, eos):
-        row = (i_b * T + t) * HV + i_h
-        k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
-        S = S * tl.exp(tl.load(g + t * sg_t).to(tl.float32))
-        b_t = tl.load(beta + t * sb_t).to(tl.float32)
-        dd_t = tl.load(dd_buf + row * V + cv, mask=mv, other=0.0)
-        e_t = tl.load(e_buf + row * V + cv, mask=mv, other=0.0)
-        at = (row * NVB + i_v) * K + ck
-        dk_t = tl.load(dk_buf + at, mask=mk, other=0.0) - b_t * tl.sum(S * dd_t[None, :], axis=1)
-        tl.store(dk_buf + at, dk_t, mask=mk)
-        S = S + k_t[:, None] * (b_t * e_t)[None, :]
+        L = L - k_t[:, None] * (b_t * dd_t)[None, :]  # dS'_t
+        tl.store(dg_buf + row * NVB + i_v, tl.sum(tl.sum(L * S, axis=1), axis=0))
+        L = L * decay
+    tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, L, mask=mkv)
