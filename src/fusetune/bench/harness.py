@@ -37,6 +37,7 @@ import torch
 CASE_MODULES: dict[str, str] = {
     "cross_entropy": "fusetune.bench.cases_cross_entropy",
     "e2e": "fusetune.bench.cases_e2e",
+    "gated_delta_rule": "fusetune.bench.cases_gated_delta_rule",
     "gated_slot_attention": "fusetune.bench.cases_gsa",
     "grpo": "fusetune.bench.cases_grpo",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
