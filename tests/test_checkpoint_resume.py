@@ -27,7 +27,7 @@ from fusetune.finetune.schedule import lr_factor
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
-STEPS = 4
+STEPS = 3
 RUN = ["--steps", str(STEPS), "--batch-size", "2", "--seq-len", "12", "--precision", "fp32"]
 RUN += ["--lr-schedule", "cosine", "--warmup-steps", "2", "--device", "cpu"]
 
@@ -101,17 +101,15 @@ def test_lr_schedule_factors():
 # ----------------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_then_resumed_equals_uninterrupted_bitwise(
-    tmp_path, capsys, monkeypatch, reference, stop
+    tmp_path, capsys, monkeypatch, reference
 ):
     data, want = reference
     output = tmp_path / "out"
-    stop_at(monkeypatch, 2, stop)
-    assert main(argv(data, output)) == 128 + stop
+    stop_at(monkeypatch, 2)
+    assert main(argv(data, output)) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
-    name = signal.Signals(stop).name
-    assert f"stopped: {name} after step 2: checkpoint written: {output}/checkpoint-2" in err
+    assert f"stopped: SIGTERM after step 2: checkpoint written: {output}/checkpoint-2" in err
     assert not (output / MARKER).exists()  # no final output yet, only the checkpoint
     assert [p.name for p in output.iterdir()] == ["checkpoint-2"]
     monkeypatch.undo()
@@ -121,12 +119,12 @@ def test_interrupted_then_resumed_equals_uninterrupted_bitwise(
     assert (output / "checkpoint-2").is_dir()  # carried into the final output
 
 
-def test_full_finetune_resumes_bitwise(tmp_path, monkeypatch, reference):
+def test_full_finetune_resumes_bitwise_after_sigint(tmp_path, monkeypatch, reference):
     data, _ = reference
-    extra = ["--full", "--steps", "3", "--grad-accum", "2", "--save-every", "1"]
+    extra = ["--full", "--steps", "2", "--batch-size", "1", "--grad-accum", "2"]
     assert main(argv(data, tmp_path / "whole", *extra)) == 0
-    stop_at(monkeypatch, 1)
-    assert main(argv(data, tmp_path / "cut", *extra)) == 128 + signal.SIGTERM
+    stop_at(monkeypatch, 1, signal.SIGINT)
+    assert main(argv(data, tmp_path / "cut", *extra)) == 128 + signal.SIGINT
     monkeypatch.undo()
     assert main(argv(data, tmp_path / "cut", *extra, "--resume")) == 0
     assert_same(tmp_path / "cut", tmp_path / "whole")
@@ -177,3 +175,166 @@ def test_keeps_the_last_k_and_cleans_up_interrupted_writes(tmp_path):
     with pytest.raises(command.FinetuneError, match="step 3: w is not finite; no checkpoint"):
         checkpoint.write(tmp_path, 3, snapshot, {"losses": []}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def poison_gradient(monkeypatch, at_step: int) -> None:
+    """NaN into the first LoRA B's gradient on step ``at_step`` (the loss stays finite)."""
+    add_lora = command._add_lora
+
+    def with_hook(model, args):
+        model = add_lora(model, args)
+        param = next(p for n, p in model.named_parameters() if "lora_B" in n)
+        calls = []
+
+        def hook(grad):
+            calls.append(1)
+            return grad * float("nan") if len(calls) == at_step else grad
+
+        param.register_hook(hook)
+        return model
+
+    monkeypatch.setattr(command, "_add_lora", with_hook)
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(
+    tmp_path, capsys, reference
+):
+    data, _ = reference
+    output = tmp_path / "out"
+    # Adam moves every LoRA B by ~lr on step 1: 1e37 overflows the next forward
+    extra = ["--steps", "2", "--lr", "1e37", "--warmup-steps", "0", "--save-every", "1"]
+    code = main(argv(data, output, *extra))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"the last good checkpoint is {output}/checkpoint-1 (--resume" in err
+    assert "step 2: the loss is not finite" in err
+    assert [p.name for p in output.iterdir()] == ["checkpoint-1"]  # no step-2 checkpoint
+
+
+def test_nonfinite_gradient_stops_naming_the_parameter(tmp_path, capsys, monkeypatch, reference):
+    data, _ = reference
+    poison_gradient(monkeypatch, at_step=1)
+    assert main(argv(data, tmp_path / "out", "--steps", "1")) == 1
+    err = capsys.readouterr().err
+    assert "error: step 1: the gradient of base_model.model.model.layers.0.self_attn.q_proj." in err
+    assert "lora_B.default.weight is not finite" in err
+    assert "no checkpoint was written before it (--save-every N writes them)" in err
+
+
+def test_skip_nonfinite_skips_and_counts(tmp_path, capsys, monkeypatch, reference):
+    data, _ = reference
+    poison_gradient(monkeypatch, at_step=2)
+    output = tmp_path / "out"
+    extra = ["--skip-nonfinite", "--save-every", "1", "--keep-checkpoints", "3"]
+    assert main(argv(data, output, *extra)) == 0
+    out = capsys.readouterr().out
+    assert "skipped      1 steps with a non-finite loss or gradient, not applied (steps 2)" in out
+    record = json.loads((output / MARKER).read_text())["runs"][0]
+    assert record["skipped_steps"] == [2] and all(v is not None for v in record["losses"])
+    # the skipped step changed nothing: its checkpoint holds step 1's weights
+    from safetensors.torch import load_file
+
+    one, two = (load_file(str(output / f"checkpoint-{s}" / checkpoint.WEIGHTS)) for s in (1, 2))
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_unwritable_output_is_an_error_before_step_1(tmp_path, capsys):
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc (a folder nobody can write into, root included)")
+    assert main([*RUN, "--output", "/proc/fusetune-out"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --output /proc/fusetune-out: cannot write into /proc" in err
+    assert "1/" not in err  # no step ran
+
+
+def test_disk_too_small_for_a_checkpoint_is_an_error_before_step_1(
+    tmp_path, capsys, monkeypatch, reference
+):
+    from fusetune.finetune import output as output_module
+
+    usage = output_module.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(output_module.shutil, "disk_usage", lambda _: usage._replace(free=4096))
+    data, _ = reference
+    assert main(argv(data, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    message = f"error: --output {tmp_path / 'out'}: 0.0 MiB free on its disk, a checkpoint needs"
+    assert message in err
+    assert " 1/" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(reference, tmp_path_factory) -> Path:
+    data, _ = reference
+    folder = tmp_path_factory.mktemp("one") / "out"
+    assert main(argv(data, folder, "--steps", "1", "--save-every", "1")) == 0
+    return folder / "checkpoint-1"
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target / source.name)
+    return target / source.name
+
+
+def _edit_meta(path: Path, **changes) -> None:
+    meta = json.loads((path / checkpoint.META).read_text())
+    meta["identity"].update(changes)
+    (path / checkpoint.META).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("model", "model: 'tiny-llama' vs 'tiny-qwen2' (config hash"),
+        (
+            "lora",
+            "LoRA config: mode=lora r=16 alpha=32.0 targets=all-linear 4bit=False "
+            "(checkpoint) vs mode=lora r=8",
+        ),  # fmt: skip
+        ("data", "data: the tokenised examples differ (hash"),
+        ("version", "fusetune version 0.0.1 (checkpoint) vs "),
+        ("options", "options: --batch-size 2 vs 1"),
+        ("truncated", "corrupt checkpoint: weights.safetensors is 100 bytes, "),
+        ("garbage", "corrupt checkpoint: cannot read it"),
+        ("no metadata", "not a fusetune checkpoint (no fusetune_checkpoint.json)"),
+        ("bad metadata", "corrupt checkpoint: fusetune_checkpoint.json is unreadable"),
+    ],
+)
+def test_resume_from_a_mismatched_or_corrupt_checkpoint_says_what(
+    tmp_path, capsys, reference, saved_checkpoint, case, message
+):
+    data, _ = reference
+    path = _copy(saved_checkpoint, tmp_path)
+    extra = {"model": ["--model", "tiny-qwen2"], "lora": ["--lora-r", "8"]}.get(case, [])
+    extra += {"options": ["--batch-size", "1"]}.get(case, [])
+    if case == "data":
+        data = tmp_path / "other.jsonl"
+        data.write_text(json.dumps({"prompt": "q", "completion": "r"}) + "\n")
+    elif case == "version":
+        _edit_meta(path, version="0.0.1")
+    elif case in ("truncated", "garbage"):
+        weights = path / checkpoint.WEIGHTS
+        size = weights.stat().st_size
+        weights.write_bytes(b"x" * (100 if case == "truncated" else size))
+    elif case == "no metadata":
+        (path / checkpoint.META).unlink()
+    elif case == "bad metadata":
+        (path / checkpoint.META).write_text("{not json")
+    code = main(argv(data, tmp_path / "out", *extra, "--resume", str(path)))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"error: --resume {path}: " in err and message in err
+    if case not in ("truncated", "garbage", "no metadata", "bad metadata"):
+        assert "the checkpoint does not match this run" in err
+    assert " 1/" not in err  # before step 1
+
+
+def test_a_fresh_run_refuses_an_output_holding_checkpoints(tmp_path, capsys, saved_checkpoint):
+    _copy(saved_checkpoint, tmp_path / "out")
+    assert main([*RUN, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run's checkpoints (checkpoint-1); add --resume" in err

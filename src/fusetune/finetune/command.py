@@ -98,13 +98,11 @@ def _find_resume(args: argparse.Namespace, identity: dict) -> checkpoint.Checkpo
     if args.resume is None:
         return None
     path = Path(args.output) if args.resume == LATEST else Path(args.resume)
-    if args.resume == LATEST or (path.is_dir() and not (path / checkpoint.META).exists()):
-        found = checkpoint.latest(path)
+    if args.resume == LATEST or not (path / checkpoint.META).exists():
+        found = checkpoint.latest(path)  # an output folder: its newest checkpoint
         if found is None and args.resume == LATEST:
             return None
-        if found is None:
-            raise FinetuneError(f"--resume {path}: no checkpoint-<step> folder in it")
-        path = found
+        path = found or path  # else read() says what the folder lacks
     found = checkpoint.read(path)
     checkpoint.check_matches(found, identity)
     if found.step > args.steps:

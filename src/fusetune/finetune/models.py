@@ -27,18 +27,61 @@ _TINY_SHAPE = dict(
     bos_token_id=ByteTokenizer.bos_id,
     eos_token_id=ByteTokenizer.eos_id,
 )
-# name -> (model_type, family-specific settings on top of _TINY_SHAPE)
-TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny-llama": ("llama", {}),
-    "tiny-mistral": ("mistral", {"sliding_window": None}),
-    "tiny-qwen2": ("qwen2", {}),
-    "tiny-qwen3": ("qwen3", {}),
-    "tiny-gemma2": (
-        "gemma2",
-        {"query_pre_attn_scalar": 16, "sliding_window": 64, "final_logit_softcapping": 30.0},
-    ),
-    "tiny-cohere": ("cohere", {"logit_scale": 0.25}),
+_SLIDING = {"sliding_window": 64}
+_LINEAR_ATTENTION = {  # Qwen3.5 / Qwen3-Next: a Gated DeltaNet layer, then an attention layer
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
 }
+_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+_LOCAL_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
+_SHARED_EXPERT = {"shared_expert_intermediate_size": 64}
+_GEMMA_SOFTCAP = {"final_logit_softcapping": 30.0}
+# family -> (model_type of its causal LM config, settings on top of _TINY_SHAPE)
+_TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "ministral": ("ministral", _SLIDING),
+    "ministral3": ("ministral3", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "smollm3": ("smollm3", {}),
+    "helium": ("helium", {}),
+    "exaone4": ("exaone4", {}),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", _SLIDING),
+    "phi3": ("phi3", {}),
+    "glm": ("glm", {}),
+    "glm4": ("glm4", {}),
+    "granite": ("granite", {"logits_scaling": 4.0, "embedding_multiplier": 2.0}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16, **_SLIDING, **_GEMMA_SOFTCAP}),
+    "gemma3": ("gemma3_text", {"query_pre_attn_scalar": 16, **_SLIDING, **_GEMMA_SOFTCAP}),
+    "gemma4": ("gemma4_text", {**_SLIDING, **_GEMMA_SOFTCAP}),
+    "qwen3_5": ("qwen3_5_text", _LINEAR_ATTENTION),
+    "qwen3_next": ("qwen3_next", {**_LINEAR_ATTENTION, **_EXPERTS, **_SHARED_EXPERT}),
+    "qwen2_moe": ("qwen2_moe", {**_EXPERTS, **_SHARED_EXPERT}),
+    "qwen3_moe": ("qwen3_moe", _EXPERTS),
+    "qwen3_5_moe": ("qwen3_5_moe_text", {**_LINEAR_ATTENTION, **_EXPERTS, **_SHARED_EXPERT}),
+    "mixtral": ("mixtral", {**_LOCAL_EXPERTS, "sliding_window": None}),
+    "granitemoe": ("granitemoe", {**_LOCAL_EXPERTS, "logits_scaling": 4.0}),
+    "gpt_oss": (
+        "gpt_oss",
+        {**_LOCAL_EXPERTS, **_SLIDING, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "cohere": ("cohere", {"logit_scale": 0.25}),
+    "cohere2": ("cohere2", {"logit_scale": 0.25, **_SLIDING}),
+}
+# name -> (model_type, family-specific settings on top of _TINY_SHAPE): tiny-<family>
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    f"tiny-{family}": entry for family, entry in _TINY_FAMILIES.items()
+}
+# transformers recommends eager attention for training Gemma (its attention softcap);
+# gpt-oss's attention sinks need it too.
+_EAGER_FAMILIES = ("gemma2", "gemma3", "gemma4", "gpt_oss")
 DEFAULT_MODEL = "tiny-llama"
 
 
@@ -53,15 +96,22 @@ class ModelSpec:
 
     @property
     def attn_implementation(self) -> str:
-        # transformers recommends eager attention for training Gemma 2 (its attention softcap).
-        return "eager" if self.family == "gemma2" else "sdpa"
+        return "eager" if _family_of(self.family) in _EAGER_FAMILIES else "sdpa"
 
 
 def supported_families() -> tuple[str, ...]:
-    """The model types fusetune can patch (``fusetune.integrations.transformers``)."""
+    """The model families fusetune can patch (``fusetune.integrations.transformers``)."""
     from fusetune.integrations.transformers import SUPPORTED_FAMILIES
 
     return tuple(SUPPORTED_FAMILIES)
+
+
+def _family_of(model_type: str) -> str | None:
+    """The family of a config's model type ("gemma3_text" -> "gemma3"), or None."""
+    from fusetune.integrations._transformers_forwards import FAMILY_OF_MODEL_TYPE
+
+    family = FAMILY_OF_MODEL_TYPE.get(model_type)
+    return None if family is None else family.model_type
 
 
 def resolve(name: str) -> ModelSpec:
@@ -82,11 +132,14 @@ def resolve(name: str) -> ModelSpec:
                 f"a local model folder or a reachable hub id: {_first_line(exc)}"
             ) from None
         spec = ModelSpec(name, getattr(config, "model_type", "?"), config, tiny=False)
-    families = supported_families()
-    if spec.family not in families:
+    if _family_of(spec.family) is None:
+        from fusetune.integrations._transformers_forwards import NOT_SUPPORTED
+
+        reason = NOT_SUPPORTED.get(spec.family)
         raise FinetuneError(
-            f"--model {name!r} is a {spec.family!r} model, which fusetune cannot patch; "
-            f"supported model types: {', '.join(families)}"
+            f"--model {name!r} is a {spec.family!r} model, which fusetune cannot patch"
+            f"{f' ({reason})' if reason else ''}; supported families: "
+            f"{', '.join(supported_families())}"
         )
     return spec
 

@@ -79,10 +79,13 @@ def check_space(path: Path, needed: int, what: str) -> None:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
     if free < needed:
-        gib = float(1 << 30)
         raise FinetuneError(
-            f"--output {path}: {free / gib:.2f} GiB free, {what} needs about {needed / gib:.2f} GiB"
+            f"--output {path}: {_size(free)} free on its disk, {what} needs about {_size(needed)}"
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 @contextlib.contextmanager
