@@ -25,14 +25,30 @@ class Family:
     """What differs between the supported families (transformers 5.x class and attribute
     names). ``norm_casting`` None: the family normalises with LayerNorm, left to transformers."""
 
-    model_type: str
+    model_type: str  # the family's name: the model type of its multimodal or only config
     prefix: str  # class-name prefix: LlamaRMSNorm, LlamaMLP, LlamaForCausalLM
     norm_casting: str | None = "llama"  # fusetune.rms_norm's casting of the family's RMSNorm
+    norm_offset: float | None = None  # fusetune.rms_norm's offset (None: the casting's default)
     norm_eps: str = "variance_epsilon"  # the RMSNorm's eps attribute
-    activation: str = "hidden_act"  # the config attribute the MLP builds act_fn from
+    activation: str = "hidden_act"  # the config attribute the MLP builds its activation from
+    mlp_class: str | None = "MLP"  # {prefix}{mlp_class}: the dense gated MLP (None: none)
+    fused_gate_up: bool = False  # one gate_up_proj whose output halves are (gate, up) (Phi-3)
+    rope_form: str | None = "pair"  # apply_rotary_pos_emb(q, k, ...); "single": (x, ...)
+    # (Gemma 4); None: not routed
     interleaved_rope: bool = False  # rotate pairs (2p, 2p + 1) (Cohere) instead of halves
+    # how the function reshapes transformers' cos / sin tables before rotating: "duplicate"
+    # (gpt-oss: they hold one half, used for both), "interleave" (GLM, Helium: the first
+    # half's frequencies, each repeated twice, for pairs)
+    rope_table: str | None = None
     logit_softcap: str | None = None  # config attribute: c * tanh(logits / c) (Gemma 2)
     logit_scale: str | None = None  # model attribute: s * logits (Cohere)
+    logit_divisor: str | None = None  # config attribute: logits / d (Granite)
+    text_model_type: str | None = None  # the model type of its ForCausalLM's config, if other
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """Config model types that belong to the family (a multimodal one and its text one)."""
+        return (self.model_type,) + ((self.text_model_type,) if self.text_model_type else ())
 
     @property
     def modeling(self) -> ModuleType:
@@ -44,40 +60,128 @@ class Family:
         """The modeling module's ``{prefix}{suffix}`` (e.g. LlamaMLP), or None."""
         return getattr(self.modeling, f"{self.prefix}{suffix}", None)
 
+    def part(self, name: str):
+        """The class of a patched part: "RMSNorm", "MLP" (the dense MLP) or "ForCausalLM"."""
+        if name == "MLP":
+            return self.attribute(self.mlp_class) if self.mlp_class else None
+        return self.attribute(name)
+
+
+_GEMMA = dict(norm_casting="gemma", norm_eps="eps", activation="hidden_activation")
+# fp32 norm and weight, rounded once, no offset: (w * x_fp32).to(dtype) (OLMo 2, gpt-oss)
+_FP32_WEIGHT = dict(norm_casting="gemma", norm_offset=0.0)
+# rotate pairs (2p, 2p + 1) with the frequencies of the table's first half (GLM, Helium)
+_PAIRS_FROM_HALVES = dict(interleaved_rope=True, rope_table="interleave")
 
 FAMILIES = {
     family.model_type: family
     for family in (
         Family("llama", "Llama"),
         Family("mistral", "Mistral"),
+        Family("ministral", "Ministral"),
+        Family("ministral3", "Ministral3"),
         Family("qwen2", "Qwen2"),
         Family("qwen3", "Qwen3"),  # its q_norm / k_norm are Qwen3RMSNorm too
+        Family("smollm3", "SmolLM3"),
+        Family("helium", "Helium", **_FP32_WEIGHT, **_PAIRS_FROM_HALVES),
+        Family("exaone4", "Exaone4"),
+        Family("hunyuan_v1_dense", "HunYuanDenseV1"),
+        Family("olmo2", "Olmo2", **_FP32_WEIGHT),
+        Family("olmo3", "Olmo3", **_FP32_WEIGHT),
+        Family("phi3", "Phi3", fused_gate_up=True),
+        Family("glm", "Glm", fused_gate_up=True, **_PAIRS_FROM_HALVES),
+        Family("glm4", "Glm4", fused_gate_up=True, **_PAIRS_FROM_HALVES),
+        Family("granite", "Granite", logit_divisor="logits_scaling"),
+        Family("gemma", "Gemma", norm_casting="gemma", norm_eps="eps"),
+        Family("gemma2", "Gemma2", **_GEMMA, logit_softcap="final_logit_softcapping"),
         Family(
-            "gemma2",
-            "Gemma2",
+            "gemma3",
+            "Gemma3",
+            **_GEMMA,
+            logit_softcap="final_logit_softcapping",
+            text_model_type="gemma3_text",
+        ),
+        Family(
+            "gemma4",
+            "Gemma4",
             norm_casting="gemma",
+            norm_offset=0.0,
             norm_eps="eps",
             activation="hidden_activation",
+            mlp_class="TextMLP",
+            rope_form="single",
             logit_softcap="final_logit_softcapping",
+            text_model_type="gemma4_text",
         ),
+        # Qwen3.5 / Qwen3-Next: full-attention layers, norms, MLP and loss; the Gated DeltaNet
+        # layers' own gated norm stays transformers' (fusetune.integrations.gated_delta).
+        Family(
+            "qwen3_5",
+            "Qwen3_5",
+            norm_casting="gemma",
+            norm_eps="eps",
+            text_model_type="qwen3_5_text",
+        ),  # fmt: skip
+        Family("qwen3_next", "Qwen3Next", norm_casting="gemma", norm_eps="eps"),
+        # Mixtures of experts: the dense parts (experts stay transformers' own).
+        Family("qwen2_moe", "Qwen2Moe"),
+        Family("qwen3_moe", "Qwen3Moe"),
+        Family(
+            "qwen3_5_moe",
+            "Qwen3_5Moe",
+            norm_casting="gemma",
+            norm_eps="eps",
+            text_model_type="qwen3_5_moe_text",
+        ),  # fmt: skip
+        Family("mixtral", "Mixtral"),
+        Family("granitemoe", "GraniteMoe", logit_divisor="logits_scaling"),
+        # GptOssMLP is its router + experts block, not a dense MLP
+        Family("gpt_oss", "GptOss", **_FP32_WEIGHT, mlp_class=None, rope_table="duplicate"),
         # Cohere normalises with LayerNorm (mean subtracted): not an RMSNorm, left as it is.
         Family(
             "cohere", "Cohere", norm_casting=None, interleaved_rope=True, logit_scale="logit_scale"
         ),
+        Family(
+            "cohere2",
+            "Cohere2",
+            norm_casting=None,
+            interleaved_rope=True,
+            logit_scale="logit_scale",
+        ),  # fmt: skip
     )
+}
+# every config model type -> its family
+FAMILY_OF_MODEL_TYPE = {
+    model_type: family for family in FAMILIES.values() for model_type in family.model_types
+}
+# Families transformers has whose parts do not map onto fusetune's ops: why, for the error.
+NOT_SUPPORTED = {
+    "gemma3n": "its AltUp / LAuReL layers and sparse-activation MLP have no fused op",
+    "seed_oss": "its MLP adds residual dropout after the down projection",
+    "apertus": "its MLP is not gated (xIELU of up_proj)",
+    "arcee": "its MLP is not gated (ReLU^2 of up_proj)",
+    "phi": "it normalises with LayerNorm and its MLP is not gated",
+    "olmo": "it normalises with a weightless LayerNorm",
+    "starcoder2": "it normalises with LayerNorm and its MLP is not gated",
+    "gpt2": "it normalises with LayerNorm, has learned positions and no gated MLP",
 }
 
 # ----------------------------------------------------------------------------- RMSNorm
 
 
-def rms_norm_forward(family: Family) -> Callable:
+def rms_norm_forward(family: Family, original: Callable) -> Callable:
     """An RMSNorm module's forward through fusetune.rms_norm with the family's casting:
     "llama" rounds the normalised value to the input dtype before the weight (LlamaRMSNorm),
-    "gemma" stays in fp32 with (1 + weight) and rounds once (Gemma2RMSNorm)."""
-    casting, eps_name = family.norm_casting, family.norm_eps
+    "gemma" stays in fp32 with (offset + weight) and rounds once (Gemma's 1 + w, OLMo 2's w).
+    A norm without a weight (Gemma 4's ``with_scale=False``) keeps ``original``."""
+    casting, offset, eps_name = family.norm_casting, family.norm_offset, family.norm_eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, getattr(self, eps_name), casting=casting)
+        weight = getattr(self, "weight", None)
+        if weight is None:
+            return original(self, hidden_states)
+        eps = getattr(self, eps_name)
+        return rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
 
     return forward
 
@@ -109,15 +213,25 @@ def glu_of(family: Family, mlp: torch.nn.Module) -> str | None:
     return GLU_BY_ACTIVATION.get(getattr(config, family.activation, None))
 
 
+def activation_module(family: Family, mlp: torch.nn.Module) -> torch.nn.Module | None:
+    """The MLP's activation module (``act_fn``; ``activation_fn`` with a fused gate_up)."""
+    return getattr(mlp, "activation_fn" if family.fused_gate_up else "act_fn", None)
+
+
 def mlp_forward(family: Family, original: Callable) -> Callable:
     """A gated MLP's forward, ``down(act(gate(x)) * up(x))``, with the activation and the
-    product fused (swiglu / geglu); an activation without a fused op goes to ``original``."""
+    product fused (swiglu / geglu); an activation without a fused op goes to ``original``.
+    With a fused ``gate_up_proj`` (Phi-3, GLM) the gate and up are its output's two halves."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         glu = glu_of(family, self)
         if glu is None:
             return original(self, x)
-        return self.down_proj(GLU_OPS[glu](self.gate_proj(x), self.up_proj(x)))
+        if family.fused_gate_up:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(GLU_OPS[glu](gate, up))
 
     return forward
 
@@ -129,31 +243,53 @@ def rope_function(family: Family, original: Callable) -> Callable:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` through fusetune.rope.
     unsqueeze_dim 1 means q, k are [B, H, T, D] (what the attention passes), 2 [B, T, H, D];
     cos, sin [B, T, R] with R <= D (partial rotary leaves the rest of each head as it is).
-    Anything else (another signature's extra arguments, cos requiring grad) goes to
-    ``original``."""
-    extra_names = list(inspect.signature(original).parameters)[4:]
-    interleaved = family.interleaved_rope
+    Gemma 4's form rotates one tensor, ``(x, cos, sin, unsqueeze_dim=1)``; the family's
+    ``rope_table`` says how its function reads cos / sin (:func:`_rope_table`). Anything else
+    (another signature's extra arguments, cos requiring grad) goes to ``original``."""
+    single = family.rope_form == "single"
+    tensors = 3 if single else 4
+    extra_names = list(inspect.signature(original).parameters)[tensors:]
+    interleaved, table = family.interleaved_rope, family.rope_table
 
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        options = dict(zip(extra_names, args, strict=False))
+    def apply_rotary_pos_emb(*args, **kwargs):
+        if single:
+            (q, cos, sin, *rest), k = args, None
+        else:
+            q, k, cos, sin, *rest = args
+        options = dict(zip(extra_names, rest, strict=False))
         options.update(kwargs)
         unsqueeze_dim = options.pop("unsqueeze_dim", 1)
         unusual = (
-            len(args) > len(extra_names)
+            len(rest) > len(extra_names)
             or any(value is not None for value in options.values())
             or unsqueeze_dim not in (1, 2)
             or q.dim() != 4
-            or k.dim() != 4
+            or (not single and k.dim() != 4)
             or cos.dim() != 3
             or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
         )
         if unusual:
-            return original(q, k, cos, sin, *args, **kwargs)
+            return original(*args, **kwargs)
         layout = "BHTD" if unsqueeze_dim == 1 else "BTHD"
-        return rope(q, k, cos, sin, layout=layout, interleaved=interleaved)
+        if single:  # a key with no heads: one launch rotates x alone
+            head_dim = 1 if layout == "BHTD" else 2
+            k = q.narrow(head_dim, 0, 0)
+        if table is not None:
+            cos, sin = _rope_table(cos, table), _rope_table(sin, table)
+        q_out, k_out = rope(q, k, cos, sin, layout=layout, interleaved=interleaved)
+        return q_out if single else (q_out, k_out)
 
     return apply_rotary_pos_emb
+
+
+def _rope_table(table: torch.Tensor, form: str) -> torch.Tensor:
+    """The [.., R] table fusetune.rope reads from a family's own: "duplicate" [a] -> [a, a]
+    (gpt-oss rotates halves with a half-size table), "interleave" [a, a] -> [a0, a0, a1, a1..]
+    (GLM's ``cos[..., :R // 2].repeat_interleave(2)``, for pairs)."""
+    if form == "duplicate":
+        return torch.cat((table, table), dim=-1)
+    return table[..., : table.shape[-1] // 2].repeat_interleave(2, dim=-1)
 
 
 # ----------------------------------------------------------------------------- causal LM
@@ -265,6 +401,15 @@ def causal_lm_forward(family: Family, original: Callable) -> Callable:
     return forward
 
 
+def logit_scale_of(family: Family, model: torch.nn.Module) -> float | None:
+    """The factor on the logits: Cohere's ``logit_scale``, Granite's 1 / ``logits_scaling``."""
+    if family.logit_scale:
+        return getattr(model, family.logit_scale)
+    if family.logit_divisor:
+        return 1.0 / getattr(model.config, family.logit_divisor)
+    return None
+
+
 def _fused_loss_forward(
     family: Family,
     model,
@@ -297,7 +442,7 @@ def _fused_loss_forward(
             logit_softcap=getattr(model.config, family.logit_softcap)
             if family.logit_softcap
             else None,
-            logit_scale=getattr(model, family.logit_scale) if family.logit_scale else None,
+            logit_scale=logit_scale_of(family, model),
             num_items=kwargs.get("num_items_in_batch"),
         )
 

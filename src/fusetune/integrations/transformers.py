@@ -43,7 +43,10 @@ from fusetune.integrations import peft as peft_integration
 from fusetune.integrations import trl as trl_integration
 from fusetune.integrations._transformers_forwards import (
     FAMILIES,
+    FAMILY_OF_MODEL_TYPE,
+    NOT_SUPPORTED,
     Family,
+    activation_module,
     causal_lm_forward,
     glu_of,
     mlp_forward,
@@ -51,7 +54,14 @@ from fusetune.integrations._transformers_forwards import (
     rope_function,
 )
 
-__all__ = ["SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS", "apply", "patched", "revert"]
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "TESTED_TRANSFORMERS",
+    "apply",
+    "family_table",
+    "patched",
+    "revert",
+]
 
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 # transformers releases the patches are tested against (CI: the newest, GPU pass: the oldest).
@@ -120,12 +130,14 @@ def _check_transformers_version() -> None:
 
 
 def _family(model_type: object, owner: str | None = None) -> Family:
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    family = FAMILY_OF_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         what = repr(model_type) if owner is None else f"{owner} (model type {model_type!r})"
+        reason = NOT_SUPPORTED.get(model_type) if isinstance(model_type, str) else None
+        why = f" ({reason})" if reason else ""
         raise ValueError(
-            f"model_or_model_type: {what} is not a model family fusetune patches; supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)}"
+            f"model_or_model_type: {what} is not a model family fusetune patches{why}; "
+            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
     return family
 
@@ -221,14 +233,14 @@ def _set_class_attribute(family: Family, owner: type, name: str, value: object) 
 
 
 def _apply_to_classes(family: Family, options: dict[str, bool]) -> None:
-    norm, mlp, lm = (family.attribute(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
+    norm, mlp, lm = (family.part(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
     if options["rms_norm"] and family.norm_casting and norm is not None:
-        _set_class_attribute(family, norm, "forward", rms_norm_forward(family))
+        _set_class_attribute(family, norm, "forward", rms_norm_forward(family, norm.forward))
     if options["mlp"] and mlp is not None:
         _set_class_attribute(family, mlp, "forward", mlp_forward(family, mlp.forward))
     if options["linear_cross_entropy"] and lm is not None:
         _set_class_attribute(family, lm, "forward", causal_lm_forward(family, lm.forward))
-    if options["rope"]:
+    if options["rope"] and family.rope_form:
         _hold_rope(family, None)
 
 
@@ -285,18 +297,24 @@ def _instance_forward(module: torch.nn.Module) -> Callable:
 
 
 def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str, bool]) -> None:
-    norm, mlp, lm = (family.attribute(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
+    norm, mlp, lm = (family.part(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
     state = model.__dict__.get(_STATE) or _State(family.model_type)
     for module in model.modules():
         if hasattr(module, peft_integration._PATCH):
             continue  # already on fusetune's LoRA path
         if options["rms_norm"] and family.norm_casting and norm and isinstance(module, norm):
-            _install(module, lambda original: rms_norm_forward(family))
+            _install(module, functools.partial(rms_norm_forward, family))
         elif options["mlp"] and mlp and isinstance(module, mlp) and _glu_matches(family, module):
             _install(module, functools.partial(mlp_forward, family))
     if options["linear_cross_entropy"] and lm is not None and isinstance(model, lm):
         _install(model, functools.partial(causal_lm_forward, family))
-    if options["rope"]:
+    elif options["linear_cross_entropy"]:
+        warnings.warn(
+            f"fusetune: {type(model).__name__} is not {family.prefix}ForCausalLM: its loss stays "
+            "transformers' (the norms, RoPE and MLP are fused)",
+            stacklevel=4,
+        )
+    if options["rope"] and family.rope_form:
         _hold_rope(family, model)  # once per model (a deepcopy of a patched one holds anew)
         state.rope = True
     setattr(model, _STATE, state)
@@ -306,7 +324,8 @@ def _glu_matches(family: Family, mlp: torch.nn.Module) -> bool:
     """The activation named by the config is the one act_fn computes (checked by value, so
     a model whose act_fn was swapped after construction keeps its own forward)."""
     glu = glu_of(family, mlp)
-    return glu is not None and peft_integration.mlp_activation(mlp.act_fn) == glu
+    activation = activation_module(family, mlp)
+    return glu is not None and peft_integration.mlp_activation(activation) == glu
 
 
 def _apply_lora(target: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -422,3 +441,38 @@ def patched(model_or_model_type) -> list[str]:
         if hasattr(module, _MARK) or hasattr(module, peft_integration._PATCH)
     ]
     return names + rope_on
+
+
+def family_table() -> str:
+    """The README's table of supported families (markdown), generated from the family table:
+    per family its config model types and what is routed."""
+    header = "| family | model types | RMSNorm | RoPE | gated MLP | loss |"
+    rows = [header, "|---|---|---|---|---|---|"]
+    for family in FAMILIES.values():
+        rows.append("| " + " | ".join(_family_row(family)) + " |")
+    return "\n".join(rows)
+
+
+def _family_row(family: Family) -> list[str]:
+    norm = {None: "LayerNorm: transformers'", "llama": "llama casting", "gemma": "fp32"}[
+        family.norm_casting
+    ]
+    if family.norm_casting == "gemma":
+        norm += ", w" if family.norm_offset == 0.0 else ", 1 + w"
+    rope = "pairs" if family.interleaved_rope else "halves"
+    if family.rope_form == "single":
+        rope += ", one tensor per call"
+    mlp = "gate_up_proj" if family.fused_gate_up else "gate_proj, up_proj"
+    if family.part("MLP") is None:
+        mlp = "experts only: transformers'"
+    loss = [
+        option
+        for option, name in (
+            ("softcap", family.logit_softcap),
+            ("logit scale", family.logit_scale),
+            ("logits / scaling", family.logit_divisor),
+        )
+        if name
+    ]
+    types = ", ".join(f"`{t}`" for t in family.model_types)
+    return [family.model_type, types, norm, rope, mlp, ", ".join(["fused CE", *loss])]
