@@ -338,3 +338,69 @@ def test_a_fresh_run_refuses_an_output_holding_checkpoints(tmp_path, capsys, sav
     assert main([*RUN, "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "holds an earlier run's checkpoints (checkpoint-1); add --resume" in err
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def test_adapter_loads_with_peft_merge_loads_with_transformers_and_generate_completes(
+    tmp_path, capsys, reference
+):
+    import importlib.util
+
+    import peft
+    import transformers
+
+    from fusetune import cli
+    from fusetune.finetune import distributed, models
+    from fusetune.finetune.args import parse
+
+    data, _ = reference
+    output = tmp_path / "out"
+    args = parse(argv(data, output, "--steps", "2", "--merge"))
+    args.ranks, args.device = distributed.setup(args.device)
+    plan = command.prepare(args)
+    result, model = command.train_once(plan, fused=True)
+    command.save(plan, model, [result])  # reverts fusetune: transformers' and PEFT's own modules
+    batch = plan.steps[0][0]
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    with torch.no_grad():
+        trained = model.eval()(**inputs).logits
+        base = models.build(plan.spec, torch.float32, torch.device("cpu"), seed=0)
+        loaded = peft.PeftModel.from_pretrained(base, str(output)).eval()
+        assert torch.equal(loaded(**inputs).logits, trained)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(output / "merged"))
+        torch.testing.assert_close(merged(**inputs).logits, trained, rtol=1e-5, atol=1e-5)
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (output / "loss.png").is_file() == has_matplotlib
+    capsys.readouterr()
+
+    prompt = "1+1="
+    assert cli.main(["generate", "--model", str(output), "--max-new-tokens", "5", prompt]) == 0
+    printed = capsys.readouterr().out
+    ids = torch.tensor([[257, *prompt.encode()]])  # BOS + bytes, as finetune trains
+    greedy = loaded.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+        eos_token_id=258, pad_token_id=256,
+    )  # fmt: skip
+    want = bytes(i for i in greedy[0, ids.shape[1] :].tolist() if i < 256)
+    assert printed == want.decode("utf-8", errors="replace") + "\n"
+    merged_argv = ["generate", "--model", str(output / "merged"), "--max-new-tokens", "5", prompt]
+    assert cli.main(merged_argv) == 0 and capsys.readouterr().out == printed
+
+
+def test_generate_bad_adapter_is_exit_2(tmp_path, capsys):
+    from fusetune import cli
+
+    assert cli.main(["generate", "--adapter", str(tmp_path), "hello"]) == 2
+    assert f"error: --adapter {tmp_path}: no adapter_config.json in it" in capsys.readouterr().err
+
+
+def test_no_matplotlib_means_no_loss_curve_and_no_error(tmp_path, monkeypatch):
+    from fusetune.finetune import results
+    from fusetune.finetune.train import RunResult
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # the import fails
+    run = RunResult("HF + PEFT + fusetune", losses=[2.0, float("nan"), 1.5])
+    assert results.write_loss_curve(tmp_path / results.LOSS_CURVE, [run]) is False
+    assert list(tmp_path.iterdir()) == []

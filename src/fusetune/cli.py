@@ -1,8 +1,8 @@
 """python -m fusetune COMMAND: the command-line entry point.
 
-Commands: finetune (supervised fine-tuning with fusetune applied), grpo (RL through TRL's
-GRPOTrainer with fusetune applied) and bench (time ops, and 'bench e2e' / 'bench e2e-grpo' whole
-training steps, next to their peers).
+Commands: finetune (supervised fine-tuning with fusetune applied), generate (try its result),
+grpo (RL through TRL's GRPOTrainer with fusetune applied) and bench (time ops, and 'bench e2e' /
+'bench e2e-grpo' whole training steps, next to their peers).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "finetune": "LoRA (or full) fine-tuning of a causal LM with fusetune applied",
     "grpo": "GRPO (RL with verifiable rewards) through TRL's GRPOTrainer with fusetune applied",
+    "generate": "complete a prompt with a model and, optionally, a fine-tuned LoRA adapter",
     "bench": "time ops (or 'bench e2e': whole training steps) next to torch and peers",
 }
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from fusetune.finetune import main as finetune_main
 
         return finetune_main(rest)
+    if command == "generate":
+        from fusetune.finetune.generate import main as generate_main
+
+        return generate_main(rest)
     if command == "grpo":
         from fusetune.grpo import main as grpo_main
 
