@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fusetune import _utils
-from fusetune.ops.linear_attention import gdr_recurrent
+from fusetune.ops.linear_attention import gdr_chunk, gdr_recurrent
 from fusetune.ops.linear_attention._common import bth_strides, unit_last_stride
 from fusetune.reference.gated_delta_rule import Shapes, check_gated_delta_args, l2norm
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_gated_delta_rule
@@ -63,6 +63,8 @@ def _prepare(q, k, v, h0, cu_seqlens):
 def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
     q, k, v, h0, cu = _prepare(q, k, v, h0, cu_seqlens)
     plan = _Plan(q, v, cu)
+    if chunked:
+        return _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state)
     o = _utils.empty(v.shape, v.dtype, v.device)
     hT = _utils.empty(plan.state_shape if output_final_state else (0,), torch.float32, v.device)
     if plan.n_seq * plan.value_heads == 0:
@@ -72,6 +74,46 @@ def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, c
         *bth_strides(q), *bth_strides(k), *bth_strides(v), *g.stride(), *beta.stride(),
         *bth_strides(o), scale, plan.seq_len, plan.value_heads,
         HAS_H0=h0 is not None, STORE_HT=output_final_state, **plan.consts(),
+    )
+    return o, hT
+
+
+def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
+    """The chunked forward (``gdr_chunk``): WY per chunk, states across chunks, outputs."""
+    device, f32 = v.device, torch.float32
+    o = _utils.empty(v.shape, v.dtype, device)
+    hT = _utils.empty(plan.state_shape if output_final_state else (0,), f32, device)
+    if plan.empty():
+        if output_final_state:  # no tokens: the final state is the initial one
+            hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
+        return o, hT
+    bt = gdr_chunk.chunk_size(_utils.INTERPRET)
+    max_chunks = _utils.cdiv(plan.seq_len, bt)
+    slots = max_chunks + plan.n_seq + 1 if plan.varlen else plan.n_seq * max_chunks
+    rows = (plan.batch, plan.seq_len, plan.value_heads)
+    w_buf = _utils.empty((*rows, plan.key_dim), f32, device)
+    u_buf, d_buf = (_utils.empty((*rows, plan.value_dim), f32, device) for _ in range(2))
+    gc_buf = _utils.empty(rows, f32, device)
+    h_buf = _utils.empty((slots, plan.value_heads, plan.key_dim, plan.value_dim), f32, device)
+    cu_arg = o if cu is None else cu
+    dot = 2 if v.dtype == torch.float32 else 1
+    bva = max(16, _utils.next_power_of_2(plan.value_dim))
+    common = dict(GROUP=plan.group, K=plan.key_dim, V=plan.value_dim, BT=bt, BK=plan.BK,
+                  VARLEN=plan.varlen, DOT=dot, num_warps=4)
+    chunk_grid = (max_chunks, plan.n_seq * plan.value_heads)
+    gdr_chunk.wy_kernel[chunk_grid](
+        k, g, beta, v, w_buf, u_buf, gc_buf, cu_arg, *bth_strides(k), *g.stride(),
+        *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads, BVA=bva, **common,
+    )
+    bv = max(16, plan.BV)
+    gdr_chunk.states_kernel[(_utils.cdiv(plan.value_dim, bv), plan.n_seq * plan.value_heads)](
+        k, w_buf, u_buf, gc_buf, d_buf, h_buf, o if h0 is None else h0, hT, cu_arg,
+        *bth_strides(k), plan.seq_len, plan.value_heads, BV=bv, HAS_H0=h0 is not None,
+        STORE_HT=output_final_state, **common,
+    )
+    gdr_chunk.output_kernel[chunk_grid](
+        q, k, gc_buf, d_buf, h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
+        *bth_strides(o), scale, plan.seq_len, plan.value_heads, BVA=bva, **common,
     )
     return o, hT
 

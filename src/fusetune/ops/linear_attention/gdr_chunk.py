@@ -1,0 +1,179 @@
+"""Chunked gated delta rule forward (the WY / UT-transform form of the GDN paper), fp32 inside.
+
+Per sequence and value head, a chunk of BT tokens with start state S0, chunk-local cumulative
+log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
+    A_ts = beta_t Gamma_ts (k_t . k_s) for t > s (strictly lower), T = (I + A)^-1
+    W = T (beta exp(G) K),  U = T (beta V)           # delta_t = U_t - W_t S0 (the writes)
+    D = U - W S0
+    O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma, t >= s) D]
+    S_end = exp(G_last) S0 + (exp(G_last - G) K)^T D
+Three launches: ``wy_kernel`` (per chunk: A, T by forward substitution, W, U, G), ``states_kernel``
+(per sequence, value head and block of value columns, sequential over chunks: every chunk's S0,
+D, the final state), ``output_kernel`` (per chunk: O).
+Every product runs in fp32 (IEEE for fp32 inputs, tf32 otherwise); exp arguments are <= 0.
+"""
+
+from __future__ import annotations
+
+from fusetune._triton import tl, triton
+from fusetune.ops.linear_attention._common import sequence_bounds
+
+
+def chunk_size(interpreting: bool) -> int:
+    """64 on the GPU; 16 under the interpreter, so that the tests' short sequences cross
+    several chunks."""
+    return 16 if interpreting else 64
+
+
+@triton.jit
+def mm(a, b, DOT: tl.constexpr):
+    """fp32 ``a @ b``: IEEE for fp32 inputs (DOT == 2), tf32 otherwise."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
+def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1).to(tl.int64)
+    i_n, i_h = pid // HV, pid % HV
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    start = bos + i_c * BT
+    end = tl.minimum(start + BT, eos)
+    return i_c, i_n, i_h, i_b, start, end, bos
+
+
+@triton.jit
+def _slot(i_n, bos, T, i_c, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk-state slot of chunk ``i_c`` of sequence ``i_n``: packed sequence n owns slots from
+    bos // BT + n on (at most T // BT + N + 1 in all); a batch row cdiv(T, BT) of them."""
+    if VARLEN:
+        return bos // BT + i_n + i_c
+    else:
+        return i_n * tl.cdiv(T, BT) + i_c
+
+
+@triton.jit
+def wy_kernel(
+    k, g, beta, v, w_buf, u_buf, gc_buf, cu,
+    sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, sv_b, sv_t, sv_h,
+    T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr,
+    VARLEN: tl.constexpr, DOT: tl.constexpr,
+):
+    """W [T, HV, K], U [T, HV, V] and the chunk-local cumsum G [T, HV] (fp32, rows of the
+    contiguous buffers r = (b * T + t) * HV + h)."""
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    if start >= end:
+        return
+    rows = start + tl.arange(0, BT)
+    mt = rows < end
+    ck, cv = tl.arange(0, BK), tl.arange(0, BVA)
+    mk, mv = ck < K, cv < V
+    kc = tl.load(k + i_b * sk_b + (i_h // GROUP) * sk_h + rows[:, None] * sk_t + ck[None, :],
+                 mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    vc = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
+                 mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    gc = tl.cumsum(tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt,
+                           other=0.0).to(tl.float32), axis=0)
+    bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
+    r = tl.arange(0, BT)
+    lower = r[:, None] > r[None, :]
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+    A = bc[:, None] * mm(kc, tl.trans(kc), DOT) * decay
+    # T = (I + A)^-1 by forward substitution, one row at a time: T_i = e_i - A_i T.
+    Tinv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # row i of A
+        t_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
+        Tinv = tl.where(r[:, None] == i, t_i[None, :], Tinv)
+    W = mm(Tinv, (bc * tl.exp(gc))[:, None] * kc, DOT)
+    U = mm(Tinv, bc[:, None] * vc, DOT)
+    out_rows = (i_b * T + rows) * HV + i_h
+    tl.store(w_buf + out_rows[:, None] * K + ck[None, :], W, mask=mt[:, None] & mk[None, :])
+    tl.store(u_buf + out_rows[:, None] * V + cv[None, :], U, mask=mt[:, None] & mv[None, :])
+    tl.store(gc_buf + out_rows, gc, mask=mt)
+
+
+@triton.jit
+def states_kernel(
+    k, w_buf, u_buf, gc_buf, d_buf, h_buf, h0, hT, cu,
+    sk_b, sk_t, sk_h,
+    T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+):
+    """Sequential over the chunks of one sequence, value head and block of value columns: store
+    each chunk's start state S0 [slot, HV, K, V] and its writes D = U - W S0 [T, HV, V]."""
+    i_v = tl.program_id(0)
+    pid = tl.program_id(1).to(tl.int64)
+    i_n, i_h = pid // HV, pid % HV
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    tile = ck[:, None] * V + cv[None, :]
+    mkv = mk[:, None] & mv[None, :]
+    k += i_b * sk_b + (i_h // GROUP) * sk_h
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
+    first_slot = _slot(i_n, bos, T, 0, BT, VARLEN)
+    r = tl.arange(0, BT)
+    for i_c in range(0, tl.cdiv(eos - bos, BT)):
+        start = bos + i_c * BT
+        rows = start + r
+        mt = rows < eos
+        buf_rows = (i_b * T + rows) * HV + i_h
+        tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile, S, mask=mkv)
+        Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mt[:, None] & mk[None, :],
+                     other=0.0)
+        Uc = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mt[:, None] & mv[None, :],
+                     other=0.0)
+        Dc = Uc - mm(Wc, S, DOT)
+        tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mt[:, None] & mv[None, :])
+        gc = tl.load(gc_buf + buf_rows, mask=mt, other=0.0)
+        n_valid = tl.minimum(eos - start, BT)
+        g_last = tl.sum(tl.where(r == n_valid - 1, gc, 0.0), axis=0)
+        kc = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        kd = tl.where(mt[:, None], kc * tl.exp(g_last - gc)[:, None], 0.0)
+        S = S * tl.exp(g_last) + mm(tl.trans(kd), Dc, DOT)
+    if STORE_HT:
+        tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
+
+
+@triton.jit
+def output_kernel(
+    q, k, gc_buf, d_buf, h_buf, o, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, so_b, so_t, so_h,
+    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+):
+    """O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma) D] for one chunk and value head."""
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    if start >= end:
+        return
+    rows = start + tl.arange(0, BT)
+    mt = rows < end
+    ck, cv = tl.arange(0, BK), tl.arange(0, BVA)
+    mk, mv = ck < K, cv < V
+    i_hk = i_h // GROUP
+    qc = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
+                 mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
+    kc = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :],
+                 mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    buf_rows = (i_b * T + rows) * HV + i_h
+    gc = tl.load(gc_buf + buf_rows, mask=mt, other=0.0)
+    Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mt[:, None] & mv[None, :],
+                 other=0.0)
+    slot = _slot(i_n, bos, T, i_c, BT, VARLEN)
+    S0 = tl.load(h_buf + (slot * HV + i_h) * K * V + ck[:, None] * V + cv[None, :],
+                 mask=mk[:, None] & mv[None, :], other=0.0)
+    r = tl.arange(0, BT)
+    causal = r[:, None] >= r[None, :]
+    gamma = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+    attn = mm(qc, tl.trans(kc), DOT) * gamma
+    out = mm(qc * tl.exp(gc)[:, None], S0, DOT) + mm(attn, Dc, DOT)
+    tl.store(o + i_b * so_b + i_h * so_h + rows[:, None] * so_t + cv[None, :],
+             out.to(o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
