@@ -305,7 +305,7 @@ def test_large_shapes(dtype, model):
         tensors = inputs(
             2048, lora=True, bias=True, transposed=True, experts=16, hidden=384, inter=384
         )
-        kwargs = GPT_OSS
+        kwargs = {**GPT_OSS, "limit": 7.0}  # gpt-oss's own (clamp flips: see the bf16 note)
     check(tensors, dtype, ["x", "topk_weights", *LORA_NAMES], **kwargs)
 
 
@@ -334,8 +334,11 @@ def _tiny_model(family: str):
         model_type = transformers.Qwen3MoeForCausalLM
     elif family == "qwen3_5_moe":
         config = transformers.Qwen3_5MoeTextConfig(
-            **common, moe_intermediate_size=INTER, shared_expert_intermediate_size=16,
-            num_experts=E, layer_types=["full_attention"],
+            **common,
+            moe_intermediate_size=INTER,
+            shared_expert_intermediate_size=16,
+            num_experts=E,
+            layer_types=["full_attention"],
         )
         model_type = transformers.Qwen3_5MoeForCausalLM
     elif family == "mixtral":

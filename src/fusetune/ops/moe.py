@@ -52,14 +52,18 @@ def _mm(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile(tiles_ptr, BM: tl.constexpr):
-    """(expert, rows, row mask) of this program's tile of expert-sorted rows."""
+def _tile(tiles_ptr, n_cols, BM: tl.constexpr, BN: tl.constexpr):
+    """(expert, rows, row mask, non-empty, column tile) of this program. One flat grid, the
+    column tiles of one row tile adjacent: they share its rows (gathered, read once from HBM)
+    and, with the next row tiles of the same expert, its weights, while both sit in L2."""
     pid = tl.program_id(0)
-    expert = tl.load(tiles_ptr + 3 * pid)
-    row0 = tl.load(tiles_ptr + 3 * pid + 1)
-    row_end = tl.load(tiles_ptr + 3 * pid + 2)
+    col_tiles = tl.cdiv(n_cols, BN)
+    pid_m = pid // col_tiles
+    expert = tl.load(tiles_ptr + 3 * pid_m)
+    row0 = tl.load(tiles_ptr + 3 * pid_m + 1)
+    row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
     rows = row0 + tl.arange(0, BM)
-    return expert.to(tl.int64), rows, rows < row_end, row0 < row_end
+    return expert.to(tl.int64), rows, rows < row_end, row0 < row_end, pid % col_tiles
 
 
 @triton.jit
@@ -114,8 +118,8 @@ def _grouped_mm_kernel(
 ):
     """out[dst(r)] = (a[src(r)] @ w[e]^T + s xa[r] lb[e]^T + bias[e]) * scale[r] for the rows r
     of one tile of expert e; w[e] is [n_out, k_in] with any strides."""
-    expert, rows, row_mask, valid = _tile(tiles_ptr, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, n_out, BM, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < n_out
     src = rows
     if GATHER:
@@ -157,8 +161,8 @@ def _glu_forward_kernel(
 ):
     """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
     at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up)."""
-    expert, rows, row_mask, valid = _tile(tiles_ptr, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     gate_cols = cols * col_step
     up_cols = gate_cols + up_offset
@@ -209,8 +213,7 @@ def _glu_backward_kernel(
     """g = dout[tok] Wd[e] (+ s g_d Ad[e]) for BN intermediate columns; recomputes h from the
     saved gu and stores dgu = w g act'(gu) (may overwrite gu: each element is read first),
     optionally h, and the fp32 partial row sums <g, h> of d(w) at [column tile, row]."""
-    expert, rows, row_mask, valid = _tile(tiles_ptr, BM)
-    pid_n = tl.program_id(1)
+    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
@@ -362,7 +365,7 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
     tiles = route.tiles(bm)
     lora = xa is not None and xa.shape[1] > 0
     dummy = route.tokens
-    grid = (tiles.shape[0], _utils.cdiv(n_out, bn))
+    grid = (tiles.shape[0] * _utils.cdiv(n_out, bn),)
     _grouped_mm_kernel[grid](
         a, route.tokens, w, xa if lora else a, lb if lora else w,
         bias if bias is not None else a, scale if scale is not None else a, out, route.slots,
@@ -394,7 +397,7 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
     bn //= 2  # two accumulators (gate and up)
     lora = xa is not None and xa.shape[1] > 0
     tiles = route.tiles(bm)
-    grid = (tiles.shape[0], _utils.cdiv(inter, bn))
+    grid = (tiles.shape[0] * _utils.cdiv(inter, bn),)
     _glu_forward_kernel[grid](
         x, route.tokens, w_gu, xa if lora else x, lb if lora else w_gu,
         bias if bias is not None else x, gu, h, tiles, scaling, alpha, limit, inter,
@@ -422,7 +425,7 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
         return h, partial.zero_().sum(0)
     lora = gd is not None and gd.shape[1] > 0
     tiles = route.tiles(bm)
-    _glu_backward_kernel[(tiles.shape[0], col_tiles)](
+    _glu_backward_kernel[(tiles.shape[0] * col_tiles,)](
         dout, route.tokens, w_d_t, gd if lora else dout, la_t if lora else w_d_t, gu, weights,
         dgu, h if store_h else gu, partial, tiles, scaling, alpha, limit, inter, layout.hidden,
         gd.shape[1] if lora else 0, *_glu_columns(layout), n_rows,
