@@ -296,13 +296,18 @@ def _expert_outer_kernel(
 # ============================================================================ host launchers
 
 
-def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, warps) of the grouped GEMMs."""
+# (BM, BN, BK, warps, stages) of the grouped GEMMs; the gate/up kernels take BN / 2 (two
+# accumulators). Untuned guesses (vLLM-like fused-MoE tiles), compiled for sm_90 without spills
+# (ptxas: 174-232 registers at 8 warps); module constants so a GPU sweep can set them.
+TILES_16BIT = (64, 128, 64, 8, 3)
+TILES_FP32 = (32, 64, 32, 4, 2)
+TILES_INTERPRETER = (16, 64, 32, 4, 1)  # few, small programs: the interpreter's cost
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     if INTERPRET:
-        return 16, 64, 32, 4
-    if dtype == torch.float32:
-        return 32, 64, 32, 4
-    return 64, 128, 64, 8
+        return TILES_INTERPRETER
+    return TILES_FP32 if dtype == torch.float32 else TILES_16BIT
 
 
 def _padded_rank(rank: int) -> int:
@@ -359,7 +364,7 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
     n_out, k_in = w.shape[1], w.shape[2]
     if route.n_rows == 0 or n_out == 0:
         return out
-    bm, bn, bk, warps = _blocks(a.dtype)
+    bm, bn, bk, warps, stages = _blocks(a.dtype)
     if n_out <= 32:
         bn = max(16, _utils.next_power_of_2(n_out))
     tiles = route.tiles(bm)
@@ -376,6 +381,7 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
         GATHER=gather, SCATTER=scatter, LORA=lora, BIAS=bias is not None,
         SCALE=scale is not None, IEEE=a.dtype == torch.float32, UPCAST=INTERPRET,
         R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk, num_warps=warps,
+        num_stages=stages,
     )
     del dummy
     return out
@@ -393,7 +399,7 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
     h = _utils.empty((n_rows, inter), x.dtype, x.device)
     if n_rows == 0 or inter == 0:
         return gu, h
-    bm, bn, bk, warps = _blocks(x.dtype)
+    bm, bn, bk, warps, stages = _blocks(x.dtype)
     bn //= 2  # two accumulators (gate and up)
     lora = xa is not None and xa.shape[1] > 0
     tiles = route.tiles(bm)
@@ -407,7 +413,7 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
         gu.stride(0), h.stride(0),
         LORA=lora, BIAS=bias is not None, ACT=act, IEEE=x.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )
     return gu, h
 
@@ -416,7 +422,7 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
                   act, alpha, limit):
     """Fill dgu [S, 2I] (may be gu itself); return (h [S, I] or None, d(w) <g, h> [S] fp32)."""
     n_rows, inter = route.n_rows, layout.intermediate
-    bm, bn, bk, warps = _blocks(dout.dtype)
+    bm, bn, bk, warps, stages = _blocks(dout.dtype)
     bn //= 2  # two accumulators (gate and up)
     col_tiles = max(1, _utils.cdiv(inter, bn))
     h = _utils.empty((n_rows, inter), dout.dtype, dout.device) if store_h else None
@@ -434,7 +440,7 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
         h.stride(0) if store_h else 0,
         LORA=lora, STORE_H=store_h, ACT=act, IEEE=dout.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(gd.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )
     return h, partial.sum(0)
 
