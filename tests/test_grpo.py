@@ -5,8 +5,10 @@ plain per-token loop of the formulas."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -31,7 +33,16 @@ from test_cross_entropy import force_launch
 # log 1.2) and delta (log 1.5), so that a 16-bit matmul's rounding cannot flip a token between
 # clipped and not (a flip changes that token's gradient entirely, not by a rounding).
 LOG_RATIO_OFFSETS = torch.tensor([-0.6, -0.05, 0.0, 0.05, 0.6], dtype=torch.float64)
-METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio")
+CLIP_METRICS = (
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio",
+    "clip_ratio_low_min",
+    "clip_ratio_high_max",
+)
+METRICS = ("kl", *CLIP_METRICS, "cispo_clip_ratio", "vespo_phi_seq_mean")
+# CISPO clips the ratio itself at epsilon_high (its eps_max): log 1.2 is 0.13 from the offsets.
+CISPO_EPSILON_HIGH = 1.2
 # The logits are held in the matmul dtype, as F.linear's are: an absolute rounding of about
 # 0.4 % of |logit| in bf16. The ratio exp(l - old) turns that absolute error of l into a
 # relative one of the gradient, and k3 ~ (ref - l)^2 / 2 doubles it; the measured worst case
@@ -39,7 +50,7 @@ METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio")
 GRPO_TOLERANCE_FACTOR = 2.0
 # The KL metric estimates a small quantity, ~ (ref - l)^2 / 2: its relative error grows without
 # bound as ref - l shrinks, so 16-bit cases leave it out; fp32 cases check it.
-METRICS_16BIT = ("clip_ratio_low", "clip_ratio_high", "clip_ratio")
+METRICS_16BIT = tuple(name for name in METRICS if name != "kl")
 
 
 def make_inputs(
@@ -93,9 +104,27 @@ def flat_grpo(op, metrics=METRICS, loss_shift=0.0):
 
     def run(**kwargs):
         loss, values = op(**kwargs)
-        return (loss + loss_shift, *(values[name] for name in metrics if name in values))
+        return (loss + loss_shift, *(values[name] for name in metrics))
 
     return run
+
+
+def metric_names(inputs, kwargs, metrics=METRICS):
+    """The names among ``metrics`` that grpo_loss returns for these inputs and options."""
+    loss_type = kwargs.get("loss_type", "grpo")
+    returned = {"kl"} if "ref_logps" in inputs else set()
+    if loss_type in reference.CLIPPED_LOSS_TYPES:
+        returned.update(CLIP_METRICS)
+    returned.add({"cispo": "cispo_clip_ratio", "vespo": "vespo_phi_seq_mean"}.get(loss_type))
+    return tuple(name for name in metrics if name in returned)
+
+
+def loss_options(kwargs):
+    """(LossOptions, logit options) from a grpo_loss keyword dict."""
+    logit_names = ("temperature", "logit_softcap", "logit_scale")
+    logit_options = {k: v for k, v in kwargs.items() if k in logit_names}
+    names = reference.LossOptions._fields
+    return reference.LossOptions(**{k: v for k, v in kwargs.items() if k in names}), logit_options
 
 
 def terms_size(inputs, kwargs):
@@ -103,13 +132,7 @@ def terms_size(inputs, kwargs):
     the loss a cancelling sum, whose relative error says nothing; tests compare loss + 2 x this
     instead (between 1x and 3x it), which bounds the loss's absolute error by the size of its
     terms. Gradients are unaffected by the constant."""
-    options = {k: v for k, v in kwargs.items() if k != "chunk_size"}
-    logit_options = {
-        k: options.pop(k) for k in ("temperature", "logit_softcap", "logit_scale") if k in options
-    }
-    level = options.pop("importance_sampling_level", "token")
-    loss_type = options.pop("loss_type", "grpo")
-    lengths = {k: options.pop(k, None) for k in ("max_completion_length", "num_items_in_batch")}
+    options, logit_options = loss_options(kwargs)
     with torch.no_grad():
         logps = reference.selective_log_softmax(
             inputs["hidden"],
@@ -119,22 +142,28 @@ def terms_size(inputs, kwargs):
             **logit_options,
         )
         mask = inputs["completion_mask"]
-        ratio = reference.log_ratio(logps, inputs.get("old_logps"), mask, level).exp()
-        options.setdefault("beta", 0.0)
-        options.setdefault("epsilon_low", 0.2)
-        options.setdefault("epsilon_high", 0.2)
-        options.setdefault("delta", None)
-        losses = reference.per_token_loss(
-            logps, ratio, inputs["advantages"], inputs.get("ref_logps"), **options
+        losses, _, _ = reference.loss_terms(
+            logps,
+            mask,
+            inputs["advantages"],
+            inputs.get("old_logps"),
+            inputs.get("ref_logps"),
+            options,
         )
-        weights = reference.token_weights(mask, loss_type, *lengths.values(), torch.float64)
+        weights = reference.token_weights(
+            mask,
+            options.loss_type,
+            options.max_completion_length,
+            options.num_items_in_batch,
+            torch.float64,
+        )
     return float((weights * losses.abs()).sum())
 
 
 def run_grpo(inputs, dtype, grad=("hidden", "weight"), kwargs=None, metrics=METRICS, **kw):
     """check_op of grpo_loss (loss and metrics) against the float64 reference."""
     kwargs = dict(kwargs or {})
-    outputs = 1 + sum(name != "kl" or "ref_logps" in inputs for name in metrics)
+    metrics = metric_names(inputs, kwargs, metrics)
     shift = 2 * terms_size(inputs, kwargs)
     return check_op(
         flat_grpo(fusetune.grpo_loss, metrics, shift),
@@ -143,7 +172,7 @@ def run_grpo(inputs, dtype, grad=("hidden", "weight"), kwargs=None, metrics=METR
         dtype=dtype,
         cast=[name for name in ("hidden", "weight", "bias") if name in inputs],
         grad=grad,
-        output_dtypes=[torch.float32] * outputs,
+        output_dtypes=[torch.float32] * (1 + len(metrics)),
         kwargs=kwargs,
         tolerance_factor=GRPO_TOLERANCE_FACTOR,
         **kw,
@@ -243,17 +272,33 @@ def test_grpo_matrix(dtype, autocast, mode, layout, monkeypatch):
     )
 
 
+FIRST_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 LOSS_CASES = [
     (loss_type, level, beta, old)
     for loss_type, level, beta, old in itertools.product(
         reference.LOSS_TYPES, reference.IMPORTANCE_SAMPLING_LEVELS, (0.0, 0.1), (False, True)
     )
-    if beta == 0.0 or old  # KL cases always with an old policy: keeps the count down
+    # KL cases always with an old policy, TRL's alternatives without one only on-policy
+    # without KL: keeps the count down
+    if (beta == 0.0 or old) and (loss_type in FIRST_LOSS_TYPES or beta != 0.0 or not old)
 ]
 
 
+# Options other than the defaults for the loss types that have their own.
+TYPE_OPTIONS = {
+    "dr_grpo": dict(max_completion_length=7),
+    "dapo": dict(num_items_in_batch=23),
+    "cispo": dict(epsilon_high=CISPO_EPSILON_HIGH, num_items_in_batch=23),
+    "sapo": dict(sapo_temperature_pos=1.3, sapo_temperature_neg=0.8),
+    "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0, vespo_lambda_neg=1.5),
+}
+
+
+@pytest.mark.filterwarnings("ignore:loss_type")  # luspo at token level, vespo at sequence level
 @pytest.mark.parametrize("loss_type,level,beta,old", LOSS_CASES)
 def test_loss_types(loss_type, level, beta, old):
+    """fp32, each loss type at each level, with and without old and reference policies (the
+    KL's bias correction on at token level, where the fused gradient has its own formula)."""
     inputs = make_inputs(4, 5, 16, 61, sequence_ratio=level == "sequence")
     if not old:
         del inputs["old_logps"]
@@ -264,11 +309,60 @@ def test_loss_types(loss_type, level, beta, old):
         importance_sampling_level=level,
         beta=beta,
         chunk_size=3,
-        max_completion_length=7 if loss_type == "dr_grpo" else None,
+        use_bias_correction_kl=beta != 0.0 and level == "token",
+        **TYPE_OPTIONS.get(loss_type, {}),
     )
-    if loss_type == "dapo":
-        kwargs["num_items_in_batch"] = 23
     run_grpo(inputs, torch.float32, kwargs=kwargs)
+
+
+# TRL's alternatives to the clipped surrogate, each once through the dtype contract (the full
+# matrix runs on DAPO above): (loss type, level, beta, old log-probs given).
+NEW_LOSS_CASES = {
+    "cispo": ("token", 0.05, True),
+    "sapo": ("token", 0.05, True),
+    "luspo": ("sequence", 0.0, True),
+    "vespo": ("token", 0.05, True),  # with old log-probs: through the log-probs, then backward
+}
+DTYPE_CASES = [
+    (torch.float32, None, "eager", "contiguous"),
+    (torch.float16, None, "eager", "noncontiguous"),
+    (torch.float32, torch.bfloat16, "eager", "contiguous"),
+    (torch.bfloat16, None, "compile", "noncontiguous"),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,autocast,mode,layout",
+    DTYPE_CASES,
+    ids=["fp32", "fp16-noncontiguous", "fp32-amp-bf16", "bf16-compile"],
+)
+@pytest.mark.parametrize("loss_type", list(NEW_LOSS_CASES))
+def test_new_loss_types_dtypes(loss_type, dtype, autocast, mode, layout, monkeypatch):
+    force_launch(monkeypatch, 2, block=64)
+    level, beta, old = NEW_LOSS_CASES[loss_type]
+    if mode == "compile" and loss_type == "vespo":
+        old = False  # vespo on-policy: the fused path, compiled
+    inputs = make_inputs(3, 6, 24, 301, dtype=autocast or dtype, sequence_ratio=level == "sequence")
+    if not old:
+        del inputs["old_logps"]
+    kwargs = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        use_bias_correction_kl=loss_type != "sapo",
+        chunk_size=5,
+        **TYPE_OPTIONS.get(loss_type, {}),
+    )
+    metrics = METRICS if dtype == torch.float32 and autocast is None else METRICS_16BIT
+    run_grpo(
+        inputs,
+        dtype,
+        kwargs=kwargs,
+        mode=mode,
+        autocast=autocast,
+        layout=layout,
+        metrics=metrics,
+    )
 
 
 @pytest.mark.parametrize("level", reference.IMPORTANCE_SAMPLING_LEVELS)
@@ -424,46 +518,57 @@ def test_no_host_device_sync():
 # ============================================================================ the reference
 
 
-def loop_reference(
-    logps,
-    mask,
-    advantages,
-    old,
-    ref,
-    *,
-    beta,
-    eps_low,
-    eps_high,
-    delta,
-    loss_type,
-    level,
-    max_len,
-    num_items,
-):
-    """The issue's formulas, one token at a time, in Python floats."""
+def loop_reference(logps, mask, advantages, old, ref, *, loss_type, level, bias_correction):
+    """The formulas, one token at a time, in Python floats (options: LOOP_OPTIONS; the sapo
+    and vespo ones at their defaults)."""
+    beta, eps_low, eps_high, delta = (LOOP_OPTIONS[k] for k in ("beta", "eps_low", "eps_high",
+                                                                 "delta"))  # fmt: skip
     batch, time = len(logps), len(logps[0])
     per_token = [[0.0] * time for _ in range(batch)]
     for b in range(batch):
         active = [t for t in range(time) if mask[b][t]]
         seq_log_ratio = sum(logps[b][t] - old[b][t] for t in active) / max(1, len(active))
+        phi = vespo_phi(sum(max(-20.0, min(20.0, logps[b][t] - old[b][t])) for t in active),
+                        advantages[b])  # fmt: skip
         for t in range(time):
             log_ratio = logps[b][t] - old[b][t] if level == "token" else seq_log_ratio
-            ratio = math.exp(log_ratio)
-            first = (ratio if delta is None else min(ratio, delta)) * advantages[b]
-            second = min(max(ratio, 1 - eps_low), 1 + eps_high) * advantages[b]
+            ratio, a = math.exp(log_ratio), advantages[b]
+            if loss_type == "cispo":
+                policy = -min(ratio, eps_high) * a * logps[b][t]
+            elif loss_type == "sapo":
+                tau = 1.0 if a > 0 else 1.05
+                policy = -4.0 / tau / (1.0 + math.exp(-tau * (ratio - 1.0))) * a
+            elif loss_type == "vespo":
+                policy = -phi * a * logps[b][t]
+            else:
+                first = (ratio if delta is None else min(ratio, delta)) * a
+                second = min(max(ratio, 1 - eps_low), 1 + eps_high) * a
+                policy = -min(first, second)
             diff = ref[b][t] - logps[b][t]
-            per_token[b][t] = -min(first, second) + beta * (math.exp(diff) - diff - 1)
+            kl = (math.exp(diff) - diff - 1) * (ratio if bias_correction else 1.0)
+            per_token[b][t] = policy + beta * kl
     summed = [sum(per_token[b][t] for t in range(time) if mask[b][t]) for b in range(batch)]
     counts = [sum(1 for t in range(time) if mask[b][t]) for b in range(batch)]
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return sum(s / max(1, c) for s, c in zip(summed, counts, strict=True)) / batch
-    if loss_type == "bnpo":
-        return sum(summed) / max(1, sum(counts))
+    if loss_type == "luspo":
+        return sum(summed) / batch
     if loss_type == "dr_grpo":
-        return sum(summed) / (batch * max_len)
-    return sum(summed) / (num_items or max(1, sum(counts)))
+        return sum(summed) / (batch * LOOP_OPTIONS["max_len"])
+    return sum(summed) / max(1, sum(counts))  # bnpo, and dapo / cispo / vespo without a count
 
 
+def vespo_phi(log_w, advantage):
+    """VESPO's Gamma weight at its default (k, lambda), from the clamped log-ratio sum."""
+    log_w = min(max(log_w, math.log(1e-8)), 20.0)
+    k, lam = (2.0, 3.0) if advantage >= 0 else (3.0, 2.0)
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
+
+
+LOOP_OPTIONS = dict(beta=0.07, eps_low=0.2, eps_high=0.28, delta=1.5, max_len=9)
+
+
+@pytest.mark.filterwarnings("ignore:loss_type")
 @pytest.mark.parametrize("loss_type", reference.LOSS_TYPES)
 @pytest.mark.parametrize("level", reference.IMPORTANCE_SAMPLING_LEVELS)
 def test_reference_matches_the_formulas(loss_type, level):
@@ -474,18 +579,21 @@ def test_reference_matches_the_formulas(loss_type, level):
     mask = torch.rand(batch, time) < 0.7
     mask[-1] = False
     advantages = torch.randn(batch, dtype=torch.float64)
-    options = dict(beta=0.07, epsilon_low=0.2, epsilon_high=0.28, delta=1.5)
+    bias_correction = level == "token"
     got, _ = reference.grpo_loss_from_logps(
         logps,
         mask,
         advantages,
         old_logps=old,
         ref_logps=ref,
+        beta=LOOP_OPTIONS["beta"],
+        epsilon_low=LOOP_OPTIONS["eps_low"],
+        epsilon_high=LOOP_OPTIONS["eps_high"],
+        delta=LOOP_OPTIONS["delta"],
         loss_type=loss_type,
         importance_sampling_level=level,
-        max_completion_length=9,
-        num_items_in_batch=None,
-        **options,
+        max_completion_length=LOOP_OPTIONS["max_len"],
+        use_bias_correction_kl=bias_correction,
     )
     want = loop_reference(
         logps.tolist(),
@@ -493,16 +601,129 @@ def test_reference_matches_the_formulas(loss_type, level):
         advantages.tolist(),
         old.tolist(),
         ref.tolist(),
-        beta=0.07,
-        eps_low=0.2,
-        eps_high=0.28,
-        delta=1.5,
         loss_type=loss_type,
         level=level,
-        max_len=9,
-        num_items=None,
+        bias_correction=bias_correction,
     )
     assert abs(got.item() - want) <= 1e-12 * max(1.0, abs(want))
+
+
+class _Accelerator:
+    """One process: TRL's reductions are identities."""
+
+    num_processes = 1
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+
+def trl_compute_loss(logps, inputs, options):
+    """TRL 1.16's own GRPOTrainer._compute_loss on a stand-in trainer whose model returns
+    ``logps`` (and zero entropy): TRL's per-token loss, normaliser and metrics, unchanged.
+    Returns (loss, {TRL metric name: value})."""
+    trl = pytest.importorskip("trl")
+    trainer_class = trl.GRPOTrainer
+
+    class Trainer:
+        get_gamma_weights = staticmethod(trainer_class.get_gamma_weights)
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            return logps, torch.zeros_like(logps), None
+
+    trainer = Trainer()
+    trainer.__dict__.update(
+        loss_type=options.loss_type,
+        importance_sampling_level=options.importance_sampling_level,
+        beta=options.beta,
+        epsilon_low=options.epsilon_low,
+        epsilon_high=options.epsilon_high,
+        max_completion_length=options.max_completion_length,
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
+        model=types.SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        _metrics={"train": collections.defaultdict(list)},
+        args=types.SimpleNamespace(
+            steps_per_generation=1,
+            **{name: getattr(options, name) for name in TRL_ARGS},
+        ),
+    )
+    loss = trainer_class._compute_loss(trainer, None, inputs)
+    return loss, {name: values[0] for name, values in trainer._metrics["train"].items()}
+
+
+TRL_ARGS = (
+    "delta",
+    "use_bias_correction_kl",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+
+
+@pytest.mark.filterwarnings("ignore:loss_type")
+@pytest.mark.parametrize("loss_type", reference.LOSS_TYPES)
+@pytest.mark.parametrize("level", reference.IMPORTANCE_SAMPLING_LEVELS)
+def test_reference_matches_trl(loss_type, level):
+    """The float64 reference against TRL's own _compute_loss on the same log-probs: loss,
+    gradient in the log-probs (CISPO's and VESPO's stop-gradients included) and every metric
+    TRL logs but the entropy. The sapo temperatures are exact in float32: TRL builds them with
+    torch.where of two Python floats, which gives the default dtype whatever the log-probs'."""
+    batch, time = 4, 6
+    logps = (-torch.rand(batch, time, dtype=torch.float64) * 3).requires_grad_()
+    old = logps.detach() + 0.3 * torch.randn(batch, time, dtype=torch.float64)
+    ref = logps.detach() + 0.3 * torch.randn(batch, time, dtype=torch.float64)
+    mask = (torch.rand(batch, time) < 0.7).long()
+    mask[-1] = 0
+    advantages = torch.randn(batch, dtype=torch.float64)
+    num_items = torch.tensor(17.0, dtype=torch.float64)
+    options = reference.LossOptions(
+        beta=0.07,
+        epsilon_low=0.2,
+        epsilon_high=CISPO_EPSILON_HIGH if loss_type == "cispo" else 0.28,
+        delta=None if loss_type == "cispo" else 1.5,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        max_completion_length=9,
+        num_items_in_batch=num_items,
+        sapo_temperature_pos=1.25,
+        sapo_temperature_neg=0.875,
+        vespo_k_pos=1.5,
+        vespo_lambda_pos=2.5,
+        use_bias_correction_kl=level == "token",
+    )
+    inputs = dict(
+        prompt_ids=torch.zeros(batch, 1, dtype=torch.long),
+        prompt_mask=torch.ones(batch, 1, dtype=torch.long),
+        completion_ids=torch.zeros(batch, time, dtype=torch.long),
+        completion_mask=mask,
+        advantages=advantages,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        num_items_in_batch=num_items,
+    )
+    want, want_metrics = trl_compute_loss(logps, inputs, options)
+    (want_grad,) = torch.autograd.grad(want, logps)
+    got, metrics = reference.grpo_loss_from_logps(
+        logps, mask, advantages, old_logps=old, ref_logps=ref, **options._asdict()
+    )
+    (grad,) = torch.autograd.grad(got, logps)
+    assert abs(got.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
+    assert_close("grad logps", grad, want_grad, 1e-12)
+    want_metrics.pop("entropy")
+    assert {reference.TRL_METRIC_NAMES[name] for name in metrics} == set(want_metrics)
+    for name, value in metrics.items():  # TRL's clip fractions are float32
+        assert value.item() == pytest.approx(want_metrics[reference.TRL_METRIC_NAMES[name]], 1e-7)
 
 
 def test_metrics_count_clipped_tokens():
@@ -549,6 +770,10 @@ BAD_OPTIONS = {
     "delta": (dict(delta=0.5), "delta"),
     "temperature": (dict(temperature=0.0), "temperature"),
     "num-items": (dict(num_items_in_batch=0), "num_items_in_batch"),
+    "sapo-temperature": (
+        dict(loss_type="sapo", sapo_temperature_neg=0.0),
+        "sapo_temperature_neg|(0.0, inf]",
+    ),
 }
 
 
@@ -597,6 +822,26 @@ def test_bad_types():
         fusetune.grpo_loss,
         **{**tensors, "advantages": tensors["advantages"].long()},
     )
+
+
+def test_bad_option_types():
+    tensors = bad_call({})
+    for options in (dict(use_bias_correction_kl=1), dict(vespo_k_pos="2")):
+        assert_raises(TypeError, next(iter(options)), fusetune.grpo_loss, **tensors, **options)
+
+
+@pytest.mark.parametrize(
+    "loss_type,level", [("luspo", "token"), ("vespo", "sequence")], ids=["luspo", "vespo"]
+)
+def test_level_mismatch_warns_as_trl_does(loss_type, level):
+    """TRL warns for these and computes them; so does grpo_loss (the values are checked in
+    test_loss_types and test_reference_matches_trl)."""
+    tensors = bad_call({})
+    with pytest.warns(UserWarning, match=f"loss_type '{loss_type}'.*importance_sampling_level"):
+        loss, _ = fusetune.grpo_loss(
+            **tensors, loss_type=loss_type, importance_sampling_level=level
+        )
+    assert torch.isfinite(loss)
 
 
 def test_out_of_range_token_on_cpu():

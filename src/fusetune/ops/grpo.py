@@ -9,8 +9,9 @@ cross-entropy does with a scalar upstream gradient. A token's loss depends on it
 alone, so once a chunk's log-probs are known its dloss/dl is too: the cross-entropy gradient
 kernel writes d(sum_t c_t l_t)/dlogits over the chunk's logits in place, and two matmuls give
 the chunk's hidden gradient and its share of the weight gradient. Three matmuls in all; backward
-only rescales. At sequence level a token's gradient needs its whole sequence's ratio, so the
-log-probs come first and the gradient recomputes the logits (four matmuls).
+only rescales. At sequence level a token's gradient needs its whole sequence's ratio (and VESPO's
+its whole sequence's weight, whenever old log-probs are given), so the log-probs come first and
+the gradient recomputes the logits (four matmuls).
 """
 
 from __future__ import annotations
@@ -129,13 +130,39 @@ def selective_log_softmax(
 # ============================================================================ token gradient
 
 
-def _token_grad(logps, old_logps, ref_logps, advantages, weights, beta, epsilon_low,
-                epsilon_high, delta):
+def _token_grad(logps, old_logps, ref_logps, advantages, weights, options):
     """dloss/dl per token (fp32) at token level: the derivative of the reference's per-token
-    loss times its aggregation weight. A tie in the min splits the gradient evenly between its
-    two sides, as torch.minimum's derivative does; clamp passes it at its bounds, as
-    torch.clamp's does."""
+    loss (``options``: a :class:`fusetune.reference.grpo.LossOptions`) times its aggregation
+    weight. vespo comes here only without old log-probs, where its phi is exactly 1."""
     ratio = torch.ones_like(logps) if old_logps is None else torch.exp(logps - old_logps)
+    grad = _policy_grad(ratio, advantages, options)
+    if options.beta != 0.0:
+        if options.use_bias_correction_kl:  # d(k3 r)/dl = r (k3 + dk3/dl) = r (l - ref)
+            grad = grad + options.beta * ratio * (logps - ref_logps)
+        else:
+            grad = grad + options.beta * (1.0 - torch.exp(ref_logps - logps))
+    return grad * weights
+
+
+def _policy_grad(ratio, advantages, options):
+    """d(policy term)/dl per token; dr/dl = r."""
+    if options.loss_type == "cispo":  # -sg(min(r, eps_high)) A l
+        return -ratio.clamp(max=options.epsilon_high) * advantages
+    if options.loss_type == "vespo":  # -sg(phi) A l with phi = 1
+        return -advantages
+    if options.loss_type == "sapo":  # -sigmoid(tau (r - 1)) 4 / tau A
+        tau = reference.sapo_temperatures(advantages, options)
+        gate = tau * (ratio - 1.0)
+        # sigmoid' = sigmoid(x) sigmoid(-x): no cancellation where the gate saturates
+        return -4.0 * advantages * torch.sigmoid(gate) * torch.sigmoid(-gate) * ratio
+    return _clipped_grad(ratio, advantages, options)
+
+
+def _clipped_grad(ratio, advantages, options):
+    """The PPO clipped surrogate's. A tie in the min splits the gradient evenly between its two
+    sides, as torch.minimum's derivative does; clamp passes it at its bounds, as torch.clamp's
+    does."""
+    delta, epsilon_low, epsilon_high = options.delta, options.epsilon_low, options.epsilon_high
     unclipped = ratio if delta is None else ratio.clamp(max=delta)
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     unclipped_term, clipped_term = unclipped * advantages, clipped * advantages
@@ -151,16 +178,27 @@ def _token_grad(logps, old_logps, ref_logps, advantages, weights, beta, epsilon_
             unclipped_term > clipped_term, clipped_grad, 0.5 * (unclipped_grad + clipped_grad)
         ),
     )
-    grad = -surrogate_grad
-    if beta != 0.0:
-        grad = grad + beta * (1.0 - torch.exp(ref_logps - logps))
-    return grad * weights
+    return -surrogate_grad
+
+
+def _token_options(loss_args) -> reference.LossOptions:
+    """The LossOptions of the fused (token-level) path from the op's loss arguments."""
+    (beta, epsilon_low, epsilon_high, delta, loss_type, sapo_temperature_pos,
+     sapo_temperature_neg, use_bias_correction_kl) = loss_args  # fmt: skip
+    return reference.LossOptions(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        loss_type=loss_type, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, use_bias_correction_kl=use_bias_correction_kl,
+    )  # fmt: skip
 
 
 # ============================================================================ custom op
 
 
-_LOSS_SCHEMA = "float beta, float epsilon_low, float epsilon_high, float? delta"
+_LOSS_SCHEMA = (
+    "float beta, float epsilon_low, float epsilon_high, float? delta, str loss_type, "
+    "float sapo_temperature_pos, float sapo_temperature_neg, bool use_bias_correction_kl"
+)
 _GRAD_FLAGS = "bool grad_hidden, bool grad_weight, bool grad_bias"
 
 
@@ -182,14 +220,18 @@ def _fake_forward(hidden, weight, bias, token_ids, *rest):
     fake=_fake_forward,
 )
 def _forward_op(hidden, weight, bias, token_ids, advantages, weights, old_logps, ref_logps, beta,
-                epsilon_low, epsilon_high, delta, logit_scale, logit_softcap, chunk_override,
-                grad_hidden, grad_weight, grad_bias):
+                epsilon_low, epsilon_high, delta, loss_type, sapo_temperature_pos,
+                sapo_temperature_neg, use_bias_correction_kl, logit_scale, logit_softcap,
+                chunk_override, grad_hidden, grad_weight, grad_bias):
     """hidden [N, H], weight [V, H], bias [V] in the matmul dtype; token_ids [N]; per-token fp32
     advantages, aggregation weights and (optional) old and reference log-probs, all [N].
 
     Returns the log-probs (fp32 [N]) and, for each flag set, the gradient of the token-level
     GRPO loss sum_t weights_t L_t: hidden's and weight's in their dtype, bias's in fp32; an
     empty tensor for each flag not set."""
+    loss_options = _token_options((beta, epsilon_low, epsilon_high, delta, loss_type,
+                                   sapo_temperature_pos, sapo_temperature_neg,
+                                   use_bias_correction_kl))  # fmt: skip
     options = ce._Options(reference.IGNORED_TOKEN, 0.0, 0.0, logit_scale, logit_softcap)
     n_rows, device = token_ids.numel(), hidden.device
     neg_logps = _utils.empty((n_rows,), torch.float32, device)
@@ -204,7 +246,7 @@ def _forward_op(hidden, weight, bias, token_ids, advantages, weights, old_logps,
                 continue
             grad_logps = _token_grad(
                 -neg_logps[rows], _rows(old_logps, rows), _rows(ref_logps, rows),
-                advantages[rows], weights[rows], beta, epsilon_low, epsilon_high, delta,
+                advantages[rows], weights[rows], loss_options,
             )
             # l = -cross-entropy: the kernel's per-row weight is -dloss/dl.
             ce._write_grad(
@@ -242,12 +284,11 @@ class _GRPOFunction(torch.autograd.Function):
             _flat_fp32(ref_logps), *loss_args, *logit_args, chunk_override, *flags,
         )
         logps = flat_logps.view(batch, time)
-        beta, epsilon_low, epsilon_high, delta = loss_args
+        options = _token_options(loss_args)
         ratio = reference.log_ratio(logps, old_logps, completion_mask, "token").exp()
-        losses = reference.per_token_loss(
-            logps, ratio, advantages, ref_logps, beta=beta, epsilon_low=epsilon_low,
-            epsilon_high=epsilon_high, delta=delta,
-        )
+        # vespo comes here on-policy only, where its phi is exactly 1
+        phi = ratio.new_ones((batch, 1)) if options.loss_type == "vespo" else None
+        losses = reference.per_token_loss(logps, ratio, advantages, ref_logps, options, phi)
         ctx.save_for_backward(*own_dtypes(grads, flags, hidden, weight, bias))
         ctx.mark_non_differentiable(logps)
         return (losses * weights).sum(), logps
@@ -280,23 +321,44 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    use_bias_correction_kl: bool = False,
     bias: torch.Tensor | None = None,
     logit_softcap: float | None = None,
     logit_scale: float | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO policy loss (and its DAPO / Dr. GRPO / BNPO aggregations) straight from hidden
-    states, never materialising the [B, T, V] logits.
+    """The policy losses of TRL 1.16's GRPOTrainer (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, SAPO,
+    LUSPO, VESPO) straight from hidden states, never materialising the [B, T, V] logits.
 
     With l = :func:`selective_log_softmax` of the completion tokens, m the mask, A the
     advantages: r = exp(l - old_logps) per token, or at sequence level (GSPO) one ratio per
-    sequence, exp(sum_t m (l - old) / sum_t m); when old_logps is None, old = l.detach() (r = 1,
-    gradient A dl). Per token L = -min(min(r, delta) A, clip(r, 1 - epsilon_low,
-    1 + epsilon_high) A) + beta (exp(ref - l) - (ref - l) - 1). The loss aggregates m L:
-    "grpo" the mean over sequences of each one's token mean; "bnpo" the mean over the batch's
-    active tokens; "dr_grpo" the sum over B * max_completion_length; "dapo" the sum over
-    num_items_in_batch (the active tokens of the whole generation batch), else over the active
-    tokens.
+    sequence, exp(sum_t m (l - old) / sum_t m); when old_logps is None, old = l.detach() (r = 1).
+    Per token, with sg() a stop-gradient (TRL's formulas, term for term):
+      grpo, bnpo, dr_grpo, dapo, luspo: -min(min(r, delta) A, clip(r, 1 - epsilon_low,
+        1 + epsilon_high) A);
+      cispo: -sg(min(r, epsilon_high)) A l (epsilon_high is CISPO's eps_max, 5.0 in its paper);
+      sapo: -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_temperature_pos if A > 0 else
+        sapo_temperature_neg;
+      vespo: -sg(phi) A l, phi = exp(lambda + k log w - lambda w) of each sequence's
+        w = exp(sum_t m clamp(l - old, -20, 20)), log w clamped to [log 1e-8, 20],
+        (k, lambda) = (vespo_k_pos, vespo_lambda_pos) if A >= 0 else the _neg pair;
+    plus beta (exp(ref - l) - (ref - l) - 1), times r when use_bias_correction_kl (TRL's
+    GRPOConfig default is True; here False). The loss aggregates m L: "grpo" and "sapo" the
+    mean over sequences of each one's token mean; "bnpo" the mean over the batch's active
+    tokens; "dr_grpo" the sum over B * max_completion_length; "dapo", "cispo" and "vespo" the
+    sum over num_items_in_batch (the active tokens of the whole generation batch; TRL passes
+    num_items_in_batch / processes * accumulation steps / steps_per_generation), else over the
+    active tokens; "luspo" the mean over sequences of each one's sum.
+
+    Token-level losses compute their gradient in the forward (three matmuls), but vespo with
+    old_logps, whose phi needs each whole sequence's log-probs first: it and the sequence level
+    take the log-probs, then recompute the logits in backward (four).
 
     Args:
         hidden: [B, T, H], the policy's final hidden states at the completion positions
@@ -307,6 +369,9 @@ def grpo_loss(
         advantages: [B], floating.
         old_logps, ref_logps: optional [B, T] log-probs of the sampling and reference policies
             (ref_logps is required when beta != 0).
+        loss options: named as TRL's GRPOConfig names them, but epsilon_low for ``epsilon``.
+            luspo at token level and vespo at sequence level warn, as TRL does, and compute
+            what TRL computes.
         temperature, logit_softcap, logit_scale: as in :func:`selective_log_softmax`.
         chunk_size: rows per chunk, as in :func:`fusetune.linear_cross_entropy`.
 
@@ -314,24 +379,30 @@ def grpo_loss(
         (loss, metrics): loss a 0-dim fp32 tensor, differentiable in hidden, weight and bias
         (each gradient in its own dtype; a frozen weight costs no weight-gradient matmul);
         metrics a dict of detached 0-dim fp32 tensors, computed on the device without a host
-        sync: "kl" (mean k3 KL over active tokens, when ref_logps is given), "clip_ratio_low",
-        "clip_ratio_high", "clip_ratio" (the fraction of active tokens whose objective is
-        clipped: r < 1 - epsilon_low with A < 0, r > 1 + epsilon_high with A > 0, either).
-        Summing the losses of several calls (gradient accumulation) sums their gradients.
+        sync, with the values TRL logs (see :func:`fusetune.reference.grpo.grpo_metrics`):
+        "kl" when ref_logps is given; for the clipped types "clip_ratio_low", "clip_ratio_high",
+        "clip_ratio", "clip_ratio_low_min", "clip_ratio_high_max"; "cispo_clip_ratio" for cispo;
+        "vespo_phi_seq_mean" for vespo. Summing the losses of several calls (gradient
+        accumulation) sums their gradients.
 
     Raises:
-        TypeError: as :func:`selective_log_softmax`; non-floating advantages or log-probs.
+        TypeError: as :func:`selective_log_softmax`; non-floating advantages or log-probs; a
+            non-number option; a non-bool use_bias_correction_kl.
         ValueError: the checks of :func:`selective_log_softmax` (a hidden that is really logits
             included); hidden not 3-D; completion_mask, old_logps or ref_logps not [B, T];
             advantages not [B]; an unknown loss_type or importance_sampling_level; "dr_grpo"
             without max_completion_length; beta != 0 without ref_logps; epsilon_low outside
-            [0, 1]; epsilon_high < 0; delta < 1; num_items_in_batch <= 0 or not one element.
+            [0, 1]; epsilon_high < 0; delta < 1; a sapo temperature <= 0; num_items_in_batch
+            <= 0 or not one element.
     """
     loss_options = dict(
         beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
         loss_type=loss_type, importance_sampling_level=importance_sampling_level,
         max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-    )
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, use_bias_correction_kl=use_bias_correction_kl,
+    )  # fmt: skip
     logit_options = dict(
         temperature=temperature, logit_softcap=logit_softcap, logit_scale=logit_scale
     )
@@ -345,7 +416,10 @@ def grpo_loss(
             hidden, weight, token_ids, completion_mask, advantages, old_logps=old_logps,
             ref_logps=ref_logps, bias=bias, **loss_options, **logit_options,
         )
-    if importance_sampling_level == "sequence":
+    needs_whole_sequences = importance_sampling_level == "sequence" or (
+        loss_type == "vespo" and old_logps is not None
+    )
+    if needs_whole_sequences:
         logps = selective_log_softmax(
             hidden, weight, token_ids, bias=bias, chunk_size=chunk_size, **logit_options
         )
@@ -357,16 +431,18 @@ def grpo_loss(
     weights = reference.token_weights(
         completion_mask, loss_type, max_completion_length, num_items_in_batch
     )
+    loss_args = (float(beta), float(epsilon_low), float(epsilon_high), _optional(delta),
+                 loss_type, float(sapo_temperature_pos), float(sapo_temperature_neg),
+                 bool(use_bias_correction_kl))  # fmt: skip
     loss, logps = _GRPOFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, token_ids, completion_mask, advantages,
-        old_logps, ref_logps, weights,
-        (float(beta), float(epsilon_low), float(epsilon_high), _optional(delta)),
+        old_logps, ref_logps, weights, loss_args,
         _fold_temperature(float(temperature), _optional(logit_scale), _optional(logit_softcap)),
         int(chunk_size or 0), matmul_dtype(hidden, weight),
     )
-    ratio = reference.log_ratio(logps, old_logps, completion_mask, "token").exp()
-    metrics = reference.grpo_metrics(
-        logps, ratio, completion_mask, advantages, ref_logps, epsilon_low, epsilon_high
+    metrics = reference.metrics_from_logps(
+        logps, completion_mask, advantages, old_logps, ref_logps,
+        reference.LossOptions(**loss_options),
     )
     return loss, metrics
 

@@ -1,18 +1,27 @@
-"""Pure-PyTorch GRPO: per-token log-probs from hidden states, and the GRPO / DAPO / Dr. GRPO
-policy loss. The semantics of :func:`fusetune.selective_log_softmax` and
-:func:`fusetune.grpo_loss`, their CPU path and the tests' oracle. It materialises the logits;
-the fused ops never do.
+"""Pure-PyTorch GRPO: per-token log-probs from hidden states, and the policy losses of TRL 1.16's
+GRPOTrainer (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo). The semantics of
+:func:`fusetune.selective_log_softmax` and :func:`fusetune.grpo_loss`, their CPU path and the
+tests' oracle. It materialises the logits; the fused ops never do.
 
-With l the policy log-probs of the sampled tokens, m the completion mask, A the advantages [B]:
+With l the policy log-probs of the sampled tokens, m the completion mask, A the advantages [B],
+sg() a stop-gradient:
     r = exp(l - old)                       (token level; old = l.detach() when not given)
     r_i = exp(sum_t m (l - old) / sum_t m) (sequence level: one ratio per sequence)
-    L = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta k3(ref, l)
-    k3(ref, l) = exp(ref - l) - (ref - l) - 1
-and the loss is sum_t w_t L_t with the aggregation weights w of ``token_weights``.
+and per token (TRL's ``per_token_loss``)
+    clipped (grpo, bnpo, dr_grpo, dapo, luspo): -min(min(r, delta) A, clip(r, 1 - eps_low,
+        1 + eps_high) A)
+    cispo: -sg(min(r, eps_high)) A l
+    sapo:  -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_temperature_pos if A > 0 else _neg
+    vespo: -sg(phi) A l, phi = exp(lambda + k log w - lambda w) per sequence, w the clamped
+        sequence ratio exp(sum_t m clamp(l - old, -20, 20)) (``vespo_weights``)
+plus beta k3(ref, l) (times r with ``use_bias_correction_kl``), k3 = exp(ref - l) - (ref - l) - 1.
+The loss is sum_t w_t L_t with the aggregation weights w of ``token_weights``.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -28,9 +37,43 @@ from fusetune._utils import (
 from fusetune.reference.cross_entropy import check_item_count, check_labels_in_range
 from fusetune.reference.linear_cross_entropy import check_lm_head, matmul_dtype
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# The PPO clipped surrogate (and its clip-ratio metrics); the others are TRL's alternatives.
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# The metrics of grpo_loss under the names TRL 1.16's GRPOTrainer logs them (same values).
+TRL_METRIC_NAMES = {
+    "kl": "kl",
+    "clip_ratio_low": "clip_ratio/low_mean",
+    "clip_ratio_high": "clip_ratio/high_mean",
+    "clip_ratio": "clip_ratio/region_mean",
+    "clip_ratio_low_min": "clip_ratio/low_min",
+    "clip_ratio_high_max": "clip_ratio/high_max",
+    "cispo_clip_ratio": "cispo_clip_ratio",
+    "vespo_phi_seq_mean": "vespo/phi_seq_mean",
+}
 IGNORED_TOKEN = -100  # HF's ignore label: such a token's log-prob is 0, with no gradient
+
+
+class LossOptions(NamedTuple):
+    """The loss options of :func:`fusetune.grpo_loss`, with its defaults (TRL's GRPOConfig names,
+    but ``epsilon_low`` for TRL's ``epsilon``; TRL defaults ``use_bias_correction_kl`` to True)."""
+
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None
+    num_items_in_batch: float | torch.Tensor | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = False
 
 
 class HeadOutput(NamedTuple):
@@ -113,18 +156,12 @@ def check_grpo_args(
     check_grpo_options(ref_logps=ref_logps, **loss_options)
 
 
-def check_grpo_options(
-    *,
-    beta: float,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None,
-    loss_type: str,
-    importance_sampling_level: str,
-    max_completion_length: int | None,
-    num_items_in_batch: float | torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-) -> None:
+def check_grpo_options(*, ref_logps: torch.Tensor | None, **loss_options: object) -> None:
+    """Check :class:`LossOptions` given as keywords. Warns, as TRL's GRPOTrainer does, for luspo
+    at token level and vespo at sequence level (both well defined, neither the paper's setup)."""
+    options = LossOptions(**loss_options)
+    (beta, epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level,
+     max_completion_length, num_items_in_batch) = options[:8]  # fmt: skip
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     check_number("beta", beta)
@@ -137,6 +174,32 @@ def check_grpo_options(
         raise ValueError("loss_type 'dr_grpo' divides by B * max_completion_length: pass it")
     check_number("max_completion_length", max_completion_length, low=1, optional=True)
     check_item_count("num_items_in_batch", num_items_in_batch)
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):  # sapo divides by them
+        check_number(name, getattr(options, name), low=0.0, low_inclusive=False)
+    for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        check_number(name, getattr(options, name))
+    if not isinstance(options.use_bias_correction_kl, bool):
+        got = options.use_bias_correction_kl
+        raise TypeError(f"use_bias_correction_kl must be a bool, got {got!r}")
+    _warn_level(loss_type, importance_sampling_level)
+
+
+def _warn_level(loss_type: str, level: str) -> None:
+    if torch.compiler.is_compiling():  # a warning would break the graph; eager warned already
+        return
+    if loss_type == "luspo" and level != "sequence":
+        warnings.warn(
+            "loss_type 'luspo' is meant for importance_sampling_level='sequence' (the paper's "
+            "setup); computing it at token level, as TRL does",
+            stacklevel=4,
+        )
+    if loss_type == "vespo" and level != "token":
+        warnings.warn(
+            "loss_type 'vespo' computes its sequence weights from the token log-ratios itself: "
+            "importance_sampling_level should be 'token' (it only changes the KL's bias "
+            "correction)",
+            stacklevel=4,
+        )
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size, meaning: str) -> None:
@@ -211,16 +274,19 @@ def token_weights(
 ) -> torch.Tensor:
     """w [B, T] with loss = sum_t w_t L_t: the mask over each loss type's denominator.
 
-    grpo: per-sequence mean, then mean over sequences; bnpo: mean over the batch's active
-    tokens; dr_grpo: over B * max_completion_length; dapo: over num_items_in_batch (the active
-    tokens of the whole generation batch, for gradient accumulation), else the active tokens."""
+    grpo, sapo: per-sequence mean, then mean over sequences; bnpo: mean over the batch's active
+    tokens; dr_grpo: over B * max_completion_length; dapo, cispo, vespo: over num_items_in_batch
+    (the active tokens of the whole generation batch, for gradient accumulation), else the
+    active tokens; luspo: each sequence's sum (its loss times its length), mean over sequences."""
     mask = completion_mask.to(dtype)
     batch = mask.shape[0]
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return mask / (mask.sum(dim=-1, keepdim=True).clamp(min=1.0) * batch)
     if loss_type == "dr_grpo":
         return mask / (batch * max_completion_length)
-    if loss_type == "dapo" and num_items_in_batch is not None:
+    if loss_type == "luspo":
+        return mask / batch
+    if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             return mask / num_items_in_batch.to(device=mask.device, dtype=dtype).reshape(())
         return mask / num_items_in_batch
@@ -242,24 +308,89 @@ def log_ratio(
     return (per_token * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
+# VESPO's clamps (TRL's, after the paper's code): log w in [log 1e-8, 20], each token's log-ratio
+# in [-20, 20], lambda >= 1e-4.
+VESPO_LOG_W_MIN = math.log(1e-8)
+VESPO_LOG_RATIO_MAX = 20.0
+VESPO_LAMBDA_MIN = 1e-4
+
+
+def vespo_weights(
+    token_log_ratio: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    options: LossOptions,
+) -> torch.Tensor:
+    """phi [B, 1], detached: VESPO's Gamma weight exp(lambda + k log w - lambda w) of each
+    sequence's ratio w = exp(sum_t m clamp(l - old, -20, 20)) (a sum, not GSPO's mean), log w
+    clamped to [log 1e-8, 20]; (k, lambda) = (vespo_k_pos, vespo_lambda_pos) when A >= 0, else
+    the _neg pair; lambda at least 1e-4; a non-finite phi becomes 0 (TRL's get_gamma_weights,
+    without its vLLM correction)."""
+    mask = completion_mask.to(token_log_ratio.dtype)
+    clamped = token_log_ratio.detach().clamp(-VESPO_LOG_RATIO_MAX, VESPO_LOG_RATIO_MAX)
+    log_w = (clamped * mask).sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, VESPO_LOG_RATIO_MAX)
+    nonnegative = advantages.unsqueeze(-1) >= 0
+    k = _pick(nonnegative, options.vespo_k_pos, options.vespo_k_neg, log_w)
+    lam = _pick(nonnegative, options.vespo_lambda_pos, options.vespo_lambda_neg, log_w)
+    lam = lam.clamp(min=VESPO_LAMBDA_MIN)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _pick(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor):
+    """torch.where of two numbers in ``like``'s dtype (TRL's Python scalars would give the
+    default dtype, float32, whatever the log-probs' dtype)."""
+    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+
+
+def sapo_temperatures(advantage: torch.Tensor, options: LossOptions) -> torch.Tensor:
+    """tau per sequence: sapo_temperature_pos where A > 0, sapo_temperature_neg elsewhere."""
+    pos, neg = options.sapo_temperature_pos, options.sapo_temperature_neg
+    return _pick(advantage > 0, pos, neg, advantage)
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    options: LossOptions,
+    phi: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The policy term of each token's loss, [B, T] or [B, 1] (see the module docstring);
+    ``phi`` is vespo's :func:`vespo_weights`."""
+    advantage = advantages.to(logps.dtype).unsqueeze(-1)
+    if options.loss_type == "cispo":
+        return -ratio.clamp(max=options.epsilon_high).detach() * advantage * logps
+    if options.loss_type == "sapo":
+        tau = sapo_temperatures(advantage, options)
+        return -(torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau) * advantage
+    if options.loss_type == "vespo":
+        return -phi * advantage * logps
+    unclipped = ratio if options.delta is None else ratio.clamp(max=options.delta)
+    clipped = ratio.clamp(1.0 - options.epsilon_low, 1.0 + options.epsilon_high)
+    return -torch.minimum(unclipped * advantage, clipped * advantage)
+
+
+def kl_term(
+    logps: torch.Tensor, ratio: torch.Tensor, ref_logps: torch.Tensor, options: LossOptions
+) -> torch.Tensor:
+    """k3(ref, l), times the ratio r (differentiable) with ``use_bias_correction_kl``."""
+    kl = k3_kl(logps, ref_logps)
+    return kl * ratio if options.use_bias_correction_kl else kl
+
+
 def per_token_loss(
     logps: torch.Tensor,
     ratio: torch.Tensor,
     advantages: torch.Tensor,
     ref_logps: torch.Tensor | None,
-    *,
-    beta: float,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None,
+    options: LossOptions,
+    phi: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """L [B, T]: the clipped surrogate, plus beta times the k3 KL estimate when beta != 0."""
-    advantage = advantages.to(logps.dtype).unsqueeze(-1)
-    unclipped = ratio if delta is None else ratio.clamp(max=delta)
-    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -torch.minimum(unclipped * advantage, clipped * advantage)
-    if beta != 0:
-        loss = loss + beta * k3_kl(logps, ref_logps)
+    """L [B, T]: the policy term plus beta times the KL term when beta != 0."""
+    loss = policy_loss(logps, ratio, advantages, options, phi)
+    if options.beta != 0:
+        loss = loss + options.beta * kl_term(logps, ratio, ref_logps, options)
     return loss.expand(logps.shape)
 
 
@@ -269,31 +400,118 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return diff.exp() - diff - 1.0
 
 
+def loss_terms(
+    logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    options: LossOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(L [B, T], the ratio r ([B, T] or [B, 1]), vespo's phi [B, 1] or None)."""
+    ratio, phi = ratio_and_phi(logps, completion_mask, advantages, old_logps, options)
+    losses = per_token_loss(logps, ratio, advantages, ref_logps, options, phi)
+    return losses, ratio, phi
+
+
+def ratio_and_phi(
+    logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    options: LossOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ratio r at the options' level, and vespo's phi (None for the other loss types)."""
+    level = options.importance_sampling_level
+    ratio = log_ratio(logps, old_logps, completion_mask, level).exp()
+    if options.loss_type != "vespo":
+        return ratio, None
+    token_log_ratio = log_ratio(logps, old_logps, completion_mask, "token")
+    return ratio, vespo_weights(token_log_ratio, completion_mask, advantages, options)
+
+
 def grpo_metrics(
     logps: torch.Tensor,
     ratio: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     ref_logps: torch.Tensor | None,
-    epsilon_low: float,
-    epsilon_high: float,
+    options: LossOptions,
+    phi: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Detached means over active tokens: "kl" (when ref_logps is given), and the fraction of
-    tokens whose objective is clipped: "clip_ratio_low" (r < 1 - eps_low with A < 0),
-    "clip_ratio_high" (r > 1 + eps_high with A > 0) and "clip_ratio" (either), as TRL logs."""
+    """Detached 0-dim metrics with TRL's meaning (its log names in brackets):
+    "kl" [kl], when ref_logps is given: the mean KL term over active tokens (times r with
+    use_bias_correction_kl, as TRL logs it).
+    Clipped loss types: "clip_ratio_low" [clip_ratio/low_mean] (r < 1 - eps_low with A < 0),
+    "clip_ratio_high" [clip_ratio/high_mean] (r > 1 + eps_high with A > 0), "clip_ratio"
+    [clip_ratio/region_mean] (either), "clip_ratio_low_min" [clip_ratio/low_min] and
+    "clip_ratio_high_max" [clip_ratio/high_max] (the extremes over sequences of each one's
+    fraction; empty sequences skipped, NaN when all are empty).
+    cispo: "cispo_clip_ratio" [cispo_clip_ratio] (r > eps_high with A > 0).
+    vespo: "vespo_phi_seq_mean" [vespo/phi_seq_mean], the mean of phi over sequences.
+    sapo: none beyond kl.
+    A clip fraction is over active tokens at token level, over sequences (all of them, as TRL
+    counts) at sequence level."""
     with torch.no_grad():
         mask = completion_mask.to(logps.dtype)
-        active = mask.sum().clamp(min=1.0)
         advantage = advantages.to(logps.dtype).unsqueeze(-1)
-        low = ((ratio < 1.0 - epsilon_low) & (advantage < 0)).expand(logps.shape)
-        high = ((ratio > 1.0 + epsilon_high) & (advantage > 0)).expand(logps.shape)
+        per_sequence = options.importance_sampling_level == "sequence"
+
+        def mean(flags: torch.Tensor) -> torch.Tensor:
+            values = flags.to(logps.dtype)
+            if per_sequence:
+                return values.sum() / values.shape[0]
+            return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
         metrics = {}
         if ref_logps is not None:
-            metrics["kl"] = (k3_kl(logps, ref_logps) * mask).sum() / active
-        metrics["clip_ratio_low"] = (low * mask).sum() / active
-        metrics["clip_ratio_high"] = (high * mask).sum() / active
-        metrics["clip_ratio"] = ((low | high) * mask).sum() / active
+            kl = kl_term(logps, ratio, ref_logps, options)
+            metrics["kl"] = (kl * mask).sum() / mask.sum().clamp(min=1.0)
+        if options.loss_type in CLIPPED_LOSS_TYPES:
+            low = (ratio < 1.0 - options.epsilon_low) & (advantage < 0)
+            high = (ratio > 1.0 + options.epsilon_high) & (advantage > 0)
+            metrics["clip_ratio_low"] = mean(low)
+            metrics["clip_ratio_high"] = mean(high)
+            metrics["clip_ratio"] = mean(low | high)
+            low_by_sequence = _sequence_means(low.to(logps.dtype), mask, per_sequence)
+            high_by_sequence = _sequence_means(high.to(logps.dtype), mask, per_sequence)
+            metrics["clip_ratio_low_min"] = _nan_extreme(low_by_sequence, largest=False)
+            metrics["clip_ratio_high_max"] = _nan_extreme(high_by_sequence, largest=True)
+        elif options.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = mean((ratio > options.epsilon_high) & (advantage > 0))
+        elif options.loss_type == "vespo":
+            metrics["vespo_phi_seq_mean"] = phi.sum() / phi.shape[0]
     return metrics
+
+
+def _sequence_means(flags: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch.Tensor:
+    """Each sequence's fraction of active tokens (NaN for an empty one), as TRL's
+    masked_seq_mean; at sequence level the flags are already one per sequence."""
+    if per_sequence:
+        return flags.squeeze(-1)
+    return (flags.expand(mask.shape) * mask).sum(-1) / mask.sum(-1)
+
+
+def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The max (or min) over the non-NaN values, NaN if none (TRL's nanmax / nanmin)."""
+    nan = values.isnan()
+    filled = values.masked_fill(nan, -math.inf if largest else math.inf)
+    extreme = filled.max() if largest else filled.min()
+    return torch.where(nan.all(), values.new_tensor(math.nan), extreme)
+
+
+def metrics_from_logps(
+    logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    options: LossOptions,
+) -> dict[str, torch.Tensor]:
+    """:func:`grpo_metrics` from detached log-probs (for the fused path, which computes its loss
+    without these intermediates)."""
+    ratio, phi = ratio_and_phi(logps, completion_mask, advantages, old_logps, options)
+    return grpo_metrics(logps, ratio, completion_mask, advantages, ref_logps, options, phi)
 
 
 def grpo_loss_from_logps(
@@ -311,26 +529,29 @@ def grpo_loss_from_logps(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    use_bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, metrics) from per-token log-probs [B, T]; differentiable in ``logps``."""
-    ratio = log_ratio(logps, old_logps, completion_mask, importance_sampling_level).exp()
-    losses = per_token_loss(
-        logps,
-        ratio,
-        advantages,
-        ref_logps,
-        beta=beta,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        delta=delta,
+    """(loss, metrics) from per-token log-probs [B, T]; differentiable in ``logps``. The options
+    as in :func:`fusetune.grpo_loss` (not checked here)."""
+    options = LossOptions(
+        beta, epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level,
+        max_completion_length, num_items_in_batch, sapo_temperature_pos, sapo_temperature_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, use_bias_correction_kl,
+    )  # fmt: skip
+    losses, ratio, phi = loss_terms(
+        logps, completion_mask, advantages, old_logps, ref_logps, options
     )
     weights = token_weights(
         completion_mask, loss_type, max_completion_length, num_items_in_batch, logps.dtype
     )
     loss = (losses * weights).sum()
-    metrics = grpo_metrics(
-        logps, ratio, completion_mask, advantages, ref_logps, epsilon_low, epsilon_high
-    )
+    metrics = grpo_metrics(logps, ratio, completion_mask, advantages, ref_logps, options, phi)
     return loss, metrics
 
 
@@ -352,6 +573,13 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    use_bias_correction_kl: bool = False,
     bias: torch.Tensor | None = None,
     logit_softcap: float | None = None,
     logit_scale: float | None = None,
@@ -368,6 +596,13 @@ def grpo_loss(
         importance_sampling_level=importance_sampling_level,
         max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
+        use_bias_correction_kl=use_bias_correction_kl,
     )
     logit_options = dict(
         temperature=temperature, logit_softcap=logit_softcap, logit_scale=logit_scale
