@@ -191,14 +191,14 @@ def _warn_level(loss_type: str, level: str) -> None:
         warnings.warn(
             "loss_type 'luspo' is meant for importance_sampling_level='sequence' (the paper's "
             "setup); computing it at token level, as TRL does",
-            stacklevel=4,
+            stacklevel=5,
         )
     if loss_type == "vespo" and level != "token":
         warnings.warn(
             "loss_type 'vespo' computes its sequence weights from the token log-ratios itself: "
             "importance_sampling_level should be 'token' (it only changes the KL's bias "
             "correction)",
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
