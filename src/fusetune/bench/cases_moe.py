@@ -10,6 +10,10 @@ Providers: fusetune; transformers 5.x's experts module (its own class for the fa
 module wrapped by PEFT's ``target_parameters`` LoRA (the adapters fusetune gets are views of
 PEFT's own weights). On the CPU (smoke run) a tiny shape, fusetune (its reference) and eager.
 
+Also an e2e LoRA step (forward, backward, AdamW) of a reduced-depth Qwen3-MoE (Qwen3-30B-A3B
+widths, 4 layers, batch 4 x 2048) with PEFT LoRA r16 on attention and on the experts' 3-D
+parameters, HF + PEFT against fusetune (``fusetune.apply`` plus ``integrations.moe.route``).
+
 Floor: the grouped GEMMs of the frozen experts, forward and dx: 2 x (2 S H 2I + 2 S I H) FLOPs
 with S = tokens x top-k; the LoRA terms and the routing come on top.
 """
@@ -162,6 +166,138 @@ def _floor(family: str) -> Callable[[bool], float]:
 
     return floor
 
+
+# ----------------------------------------------------------------------------- e2e step
+
+# Qwen3-30B-A3B's widths at 4 layers (the issue's reduced-depth shape), batch 4 x 2048 tokens.
+E2E_CONFIG = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    output_router_logits=True,
+)
+E2E_TINY = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
+E2E_BATCH, E2E_SEQ = 4, 2048
+E2E_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _e2e_model(device: torch.device, fused: bool) -> torch.nn.Module:
+    """Random-weight reduced Qwen3-MoE with PEFT LoRA r16 on attention and on the experts'
+    3-D parameters (target_parameters), trained-looking B; fusetune applied when ``fused``."""
+    import peft
+    import transformers
+
+    cuda = device.type == "cuda"
+    settings = dict(E2E_CONFIG, **({} if cuda else E2E_TINY))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**settings))
+    model.to(torch.bfloat16 if cuda else torch.float32)
+    model.config.use_cache = False
+    config = peft.LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=E2E_TARGETS,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    model = peft.get_peft_model(model, config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    if fused:
+        from fusetune.integrations import moe as integration
+        from fusetune.integrations import transformers as hf_integration
+
+        try:
+            hf_integration.apply(model)
+        except (TypeError, ValueError):  # a fusetune whose apply does not know the family
+            pass
+        integration.route(model)  # idempotent: apply may have routed the experts already
+    return model
+
+
+def _e2e_step(model: torch.nn.Module, device: torch.device) -> Callable[[], object]:
+    cuda = device.type == "cuda"
+    batch, seq = (E2E_BATCH, E2E_SEQ) if cuda else (2, 16)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=cuda)
+    model.train()
+
+    def step() -> object:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _make_e2e(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
+    """HF + PEFT (transformers' default experts, grouped_mm) and fusetune; one model alive at
+    a time, each built with one step taken (its AdamW state exists before timing)."""
+    import gc
+
+    live: dict[str, Callable[[], object]] = {}
+
+    def provider(fused: bool) -> Callable[[], object]:
+        key = "fusetune" if fused else "hf+peft"
+
+        def step() -> object:
+            if key not in live:
+                live.clear()
+                gc.collect()
+                live[key] = _e2e_step(_e2e_model(device, fused), device)
+                live[key]()
+            return live[key]()
+
+        return step
+
+    return {"hf+peft": provider(False), "fusetune": provider(True)}
+
+
+def _e2e_floor(quick: bool) -> float:
+    """Forward + dx of the matmuls a token touches (attention projections, its 8 experts, the
+    router, lm_head), 4 FLOPs per parameter per token; attention scores on top, not counted."""
+    c = E2E_CONFIG
+    h, d = c["hidden_size"], c["head_dim"]
+    attention = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    per_layer = attention + experts + h * c["num_experts"]
+    params = c["num_hidden_layers"] * per_layer + h * c["vocab_size"]
+    return 4.0 * E2E_BATCH * E2E_SEQ * params
+
+
+register(
+    Case(
+        op="moe",
+        name=f"e2e LoRA step Qwen3-MoE 4 layers (30B-A3B widths) b{E2E_BATCH} s{E2E_SEQ}",
+        make=_make_e2e,
+        floor_flops=_e2e_floor,
+        gpu_only=True,  # the CPU smoke run keeps to the expert-MLP cases (CI time)
+    )
+)
 
 for _family, (_e, _k, _h, _i) in SHAPES.items():
     for _lora in (True, False):
