@@ -78,44 +78,92 @@ def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, c
     return o, hT
 
 
+class _ChunkRun:
+    """Buffers and launch constants of the chunked kernels for one call."""
+
+    def __init__(self, plan: _Plan, v: torch.Tensor) -> None:
+        device, f32 = v.device, torch.float32
+        self.bt = gdr_chunk.chunk_size(_utils.INTERPRET)
+        self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
+        slots = self.max_chunks + plan.n_seq + 1 if plan.varlen else plan.n_seq * self.max_chunks
+        rows = (plan.batch, plan.seq_len, plan.value_heads)
+        self.w_buf = _utils.empty((*rows, plan.key_dim), f32, device)
+        self.u_buf = _utils.empty((*rows, plan.value_dim), f32, device)
+        self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)
+        self.gc_buf = _utils.empty(rows, f32, device)
+        self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
+        self.h_buf = _utils.empty(self.state_shape, f32, device)
+        self.bva = max(16, _utils.next_power_of_2(plan.value_dim))
+        self.bv = max(16, plan.BV)
+        self.common = dict(GROUP=plan.group, K=plan.key_dim, V=plan.value_dim, BT=self.bt,
+                           BK=plan.BK, VARLEN=plan.varlen,
+                           DOT=2 if v.dtype == torch.float32 else 1, num_warps=4)
+        self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
+        self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
+
+    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
+        """W, U, G per chunk, then every chunk's start state and writes D (and hT)."""
+        gdr_chunk.wy_kernel[self.chunk_grid](
+            k, g, beta, v, self.w_buf, self.u_buf, self.gc_buf, cu_arg, *bth_strides(k),
+            *g.stride(), *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads,
+            BVA=self.bva, **self.common,
+        )
+        gdr_chunk.states_kernel[self.column_grid](
+            k, self.w_buf, self.u_buf, self.gc_buf, self.d_buf, self.h_buf,
+            self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
+            *bth_strides(k), plan.seq_len, plan.value_heads, BV=self.bv,
+            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.common,
+        )
+
+
 def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
     """The chunked forward (``gdr_chunk``): WY per chunk, states across chunks, outputs."""
-    device, f32 = v.device, torch.float32
-    o = _utils.empty(v.shape, v.dtype, device)
-    hT = _utils.empty(plan.state_shape if output_final_state else (0,), f32, device)
+    o = _utils.empty(v.shape, v.dtype, v.device)
+    hT = _utils.empty(plan.state_shape if output_final_state else (0,), torch.float32, v.device)
     if plan.empty():
         if output_final_state:  # no tokens: the final state is the initial one
             hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
         return o, hT
-    bt = gdr_chunk.chunk_size(_utils.INTERPRET)
-    max_chunks = _utils.cdiv(plan.seq_len, bt)
-    slots = max_chunks + plan.n_seq + 1 if plan.varlen else plan.n_seq * max_chunks
-    rows = (plan.batch, plan.seq_len, plan.value_heads)
-    w_buf = _utils.empty((*rows, plan.key_dim), f32, device)
-    u_buf, d_buf = (_utils.empty((*rows, plan.value_dim), f32, device) for _ in range(2))
-    gc_buf = _utils.empty(rows, f32, device)
-    h_buf = _utils.empty((slots, plan.value_heads, plan.key_dim, plan.value_dim), f32, device)
+    run = _ChunkRun(plan, v)
     cu_arg = o if cu is None else cu
-    dot = 2 if v.dtype == torch.float32 else 1
-    bva = max(16, _utils.next_power_of_2(plan.value_dim))
-    common = dict(GROUP=plan.group, K=plan.key_dim, V=plan.value_dim, BT=bt, BK=plan.BK,
-                  VARLEN=plan.varlen, DOT=dot, num_warps=4)
-    chunk_grid = (max_chunks, plan.n_seq * plan.value_heads)
-    gdr_chunk.wy_kernel[chunk_grid](
-        k, g, beta, v, w_buf, u_buf, gc_buf, cu_arg, *bth_strides(k), *g.stride(),
-        *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads, BVA=bva, **common,
-    )
-    bv = max(16, plan.BV)
-    gdr_chunk.states_kernel[(_utils.cdiv(plan.value_dim, bv), plan.n_seq * plan.value_heads)](
-        k, w_buf, u_buf, gc_buf, d_buf, h_buf, o if h0 is None else h0, hT, cu_arg,
-        *bth_strides(k), plan.seq_len, plan.value_heads, BV=bv, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, **common,
-    )
-    gdr_chunk.output_kernel[chunk_grid](
-        q, k, gc_buf, d_buf, h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
-        *bth_strides(o), scale, plan.seq_len, plan.value_heads, BVA=bva, **common,
+    run.states(plan, k, v, g, beta, h0, hT if output_final_state else None, cu_arg)
+    gdr_chunk.output_kernel[run.chunk_grid](
+        q, k, run.gc_buf, run.d_buf, run.h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
+        *bth_strides(o), scale, plan.seq_len, plan.value_heads, BVA=run.bva, **run.common,
     )
     return o, hT
+
+
+def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
+    """The chunked backward: recompute the forward's states, reverse over chunks for the state
+    gradients and dD, then every input gradient per chunk."""
+    device, f32 = v.device, torch.float32
+    rows = (plan.batch, plan.seq_len, plan.value_heads)
+    dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), f32, device) for _ in range(2))
+    dbeta_buf, dg_buf = (_utils.empty(rows, f32, device) for _ in range(2))
+    dv = _utils.empty(v.shape, v.dtype, device)
+    dh0 = _utils.empty(plan.state_shape, f32, device)
+    if plan.empty():
+        dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
+        return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
+    run = _ChunkRun(plan, v)
+    cu_arg = dv if cu is None else cu
+    run.states(plan, k, v, g, beta, h0, None, cu_arg)
+    del run.u_buf
+    dd_buf = _utils.empty(run.d_buf.shape, f32, device)
+    dh_buf = _utils.empty(run.state_shape, f32, device)
+    gdr_chunk.dstates_kernel[run.column_grid](
+        q, k, do, run.w_buf, run.gc_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
+        cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
+        plan.value_heads, BV=run.bv, HAS_DHT=dhT is not None, **run.common,
+    )
+    gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
+        q, k, v, beta, do, run.gc_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf, dk_buf, dv,
+        dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v),
+        *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
+        plan.value_heads, BVA=run.bva, **run.common,
+    )
+    return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 
 
 def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
@@ -125,6 +173,11 @@ def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_fina
     plan = _Plan(q, v, cu)
     device, f32 = v.device, torch.float32
     dhT = dhT.contiguous() if output_final_state and dhT is not None else None
+    if chunked:
+        dq, dk, dv, dg, dbeta, dh0 = _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu,
+                                                       scale)
+        dq, dk = (_sum_group(x, plan) for x in (dq, dk))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
     rows = (plan.batch, plan.seq_len, plan.value_heads)
     nvb, key_dim, value_dim = plan.n_vblocks, plan.key_dim, plan.value_dim
     # fp32 per-token buffers between the sweeps, per-value-block partial sums, checkpoints.
