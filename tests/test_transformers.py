@@ -42,7 +42,8 @@ FP32_UPDATE_TOL = 1e-3  # per parameter tensor, relative error of (final - initi
 # Gemma 4's per-layer embeddings amplify fp32 rounding: one step's gradients agree within
 # 1e-5 relative (every parameter, fused norms / GLU vs transformers'), its updates after 3
 # AdamW steps within 2.5e-3 to 1.2e-2 from run to run (measured on the CPU).
-UPDATE_TOL = {"gemma4": 2e-2}
+# The Gated DeltaNet layers likewise: gradients within 5e-6 (dt_bias, A_log), updates 1.5e-3.
+UPDATE_TOL = {"gemma4": 2e-2, "qwen3_5": 5e-3, "qwen3_next": 5e-3, "qwen3_5_moe": 5e-3}
 
 CONFIG = dict(
     vocab_size=VOCAB,
@@ -122,6 +123,19 @@ CALLS = {
     "gpt_oss": dict(glu=0),
     "cohere": dict(rms_norm=0),
     "cohere2": dict(rms_norm=0),
+}
+
+
+# Layers routed to fusetune.gated_delta_rule / moe_mlp in the tiny models.
+ROUTED = {
+    "qwen3_5": dict(gated_delta=1),
+    "qwen3_next": dict(gated_delta=1, experts=2),
+    "qwen3_5_moe": dict(gated_delta=1, experts=2),
+    "qwen3_moe": dict(experts=1),
+    "qwen2_moe": dict(experts=1),
+    "mixtral": dict(experts=2),
+    "granitemoe": dict(experts=2),
+    "gpt_oss": dict(experts=2),
 }
 
 
@@ -238,6 +252,8 @@ def test_training_matches_transformers_fp32(family, fused_calls):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about on a supported model
         fusetune.apply(model)
+    routed = model.__dict__[integration._STATE].routed
+    assert routed == {"gated_delta": 0, "experts": 0, **ROUTED.get(family, {})}
     got = train(model, batches)
     assert_same_training(got, want, update_tol=UPDATE_TOL.get(family, FP32_UPDATE_TOL))
     assert fused_calls == {k: STEPS * n for k, n in expected_calls(family).items()}

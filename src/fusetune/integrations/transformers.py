@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusetune.integrations import gated_delta as gated_delta_integration
+from fusetune.integrations import moe as moe_integration
 from fusetune.integrations import peft as peft_integration
 from fusetune.integrations import trl as trl_integration
 from fusetune.integrations._transformers_forwards import (
@@ -85,6 +87,7 @@ class _State:
     family: str
     rope: bool = False  # holds the family's rope function (until revert or collection)
     peft: bool = False  # we applied fusetune.integrations.peft (revert undoes it)
+    routed: dict[str, int] = field(default_factory=dict)  # "gated_delta" / "experts": layers
 
 
 @dataclass
@@ -317,7 +320,14 @@ def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str
     if options["rope"] and family.rope_form:
         _hold_rope(family, model)  # once per model (a deepcopy of a patched one holds anew)
         state.rope = True
+    for part, integration in _ROUTED_PARTS.items():
+        if options[part]:
+            state.routed[part] = integration.route(model)
     setattr(model, _STATE, state)
+
+
+# part -> the integration that routes it on a live model (route(model) / unroute(model))
+_ROUTED_PARTS = {"gated_delta": gated_delta_integration, "experts": moe_integration}
 
 
 def _glu_matches(family: Family, mlp: torch.nn.Module) -> bool:
@@ -338,6 +348,8 @@ def _revert_instance(family: Family, target: torch.nn.Module, model: torch.nn.Mo
     state = model.__dict__.pop(_STATE, None)
     if state is not None and state.peft:
         peft_integration.unpatch(target)
+    for part in state.routed if state is not None else ():
+        _ROUTED_PARTS[part].unroute(model)
     for module in target.modules():
         patch = module.__dict__.pop(_MARK, None)
         if patch is None or module.__dict__.get("forward") is not patch.installed:
@@ -361,6 +373,8 @@ def apply(
     mlp: bool = True,
     linear_cross_entropy: bool = True,
     lora: bool = True,
+    gated_delta: bool = True,
+    experts: bool = True,
 ):
     """Route a transformers causal LM through fusetune's kernels (see the module doc).
 
@@ -375,6 +389,13 @@ def apply(
         rms_norm, rope, mlp, linear_cross_entropy: which parts to route.
         lora: with a live model holding PEFT LoRA layers, also
             :func:`fusetune.integrations.peft.apply` (fused LoRA projections and MLP).
+        gated_delta: a live Qwen3.5 / Qwen3-Next model's Gated DeltaNet layers ->
+            :func:`fusetune.gated_delta_rule` (:mod:`fusetune.integrations.gated_delta`).
+        experts: a live mixture-of-experts model's experts (Qwen3-MoE, Qwen3.5-MoE, Mixtral,
+            gpt-oss; PEFT LoRA on them too) -> :func:`fusetune.moe_mlp`
+            (:mod:`fusetune.integrations.moe`); the router and its auxiliary loss stay
+            transformers'. These two act on live models only (a family or class patch leaves
+            them to transformers).
 
     Applying twice is harmless (a second call only adds parts not yet routed). Compile the
     model after patching (a compiled graph keeps the code it traced).
@@ -394,6 +415,8 @@ def apply(
         mlp=mlp,
         linear_cross_entropy=linear_cross_entropy,
         lora=lora,
+        gated_delta=gated_delta,
+        experts=experts,
     )
     _check_options(options)
     if trl_integration.is_trainer(model_or_model_type):
