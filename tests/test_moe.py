@@ -399,8 +399,12 @@ def test_route_trains_like_transformers(family):
     assert integration.route(routed) == 1  # idempotent
     batches = [torch.randint(0, 64, (2, 6), device=DEVICE) for _ in range(2)]
     _same_training(model, routed, batches)
+    copied = copy.deepcopy(routed)  # a copy is routed on its own modules
+    experts = copied.model.layers[0].mlp.experts
+    assert vars(experts)["forward"].module is experts
     assert integration.unroute(routed) == 1
     assert "forward" not in vars(routed.model.layers[0].mlp.experts)
+    assert "forward" in vars(experts)
 
 
 def test_route_peft_target_parameters():

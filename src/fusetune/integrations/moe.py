@@ -22,8 +22,6 @@ expert parallelism, or with another activation.
 
 from __future__ import annotations
 
-import types
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -41,7 +39,16 @@ class _Spec(NamedTuple):
     activation: str
 
 
-_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _RoutedForward:
+    """The forward installed on a routed module (an instance attribute, so the class keeps
+    transformers' own). It holds the spec itself: a deepcopy of a routed model copies it with
+    the copy's own modules, routed alike; no global registry to go stale."""
+
+    def __init__(self, module: nn.Module, spec: _Spec):
+        self.module, self.spec = module, spec
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        return _routed_forward(self.module, self.spec, hidden_states, top_k_index, top_k_weights)
 
 
 def _param_wrapper_type():
@@ -112,9 +119,8 @@ def route(model: nn.Module) -> int:
     are routed (already routed ones included; calling twice changes nothing)."""
     count = 0
     for module, spec in _candidates(model):
-        if module not in _ROUTED:
-            _ROUTED[module] = spec
-            module.forward = types.MethodType(_routed_forward, module)
+        if not isinstance(module.__dict__.get("forward"), _RoutedForward):
+            module.forward = _RoutedForward(module, spec)
         count += 1
     return count
 
@@ -123,7 +129,7 @@ def unroute(model: nn.Module) -> int:
     """Undo :func:`route` on ``model``; return how many modules were restored."""
     count = 0
     for module in list(model.modules()):
-        if _ROUTED.pop(module, None) is not None:
+        if isinstance(module.__dict__.get("forward"), _RoutedForward):
             del module.forward  # the instance attribute; the class's forward shows again
             count += 1
     return count
@@ -169,8 +175,7 @@ def _lora(spec: _Spec):
     )
 
 
-def _routed_forward(self, hidden_states, top_k_index, top_k_weights):
-    spec = _ROUTED[self]
+def _routed_forward(self, spec, hidden_states, top_k_index, top_k_weights):
     lora = _lora(spec) if spec.wrappers else None
     if lora == "many":
         CALLS["peft_fallback"] += 1
