@@ -118,13 +118,22 @@ def test_reference_matches_transformers(name):
 
 @matrix()
 def test_matrix(dtype, autocast, mode, layout):
-    """Output, final state and every gradient (q, k, v, g, beta, initial state), with grouped
-    value heads and sizes that pad every block (K = 12, V = 20). Both modes run the same
-    kernels today, so the matrix runs the default mode; the other tests run both."""
-    algo = "chunk"
+    """Output, final state and every gradient (q, k, v, g, beta, initial state) of chunk mode
+    (the training path), with grouped value heads, sizes that pad every block (K = 12, V = 20)
+    and two chunks (16 tokens a chunk under the interpreter)."""
     assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
+    inputs = make_inputs(batch=2, seq_len=19)
+    run_check(inputs, dtype, "chunk", mode=mode, autocast=autocast, layout=layout)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_recurrent_dtypes(dtype, mode):
+    """The recurrent kernels (decoding) in every dtype, eager and compiled."""
     inputs = make_inputs(batch=2, seq_len=8)
-    run_check(inputs, dtype, algo, mode=mode, autocast=autocast, layout=layout)
+    run_check(inputs, dtype, "recurrent", mode=mode, layout="noncontiguous")
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -137,12 +146,31 @@ def test_l2norm_and_groups(algo, dtype):
     run_check(inputs, dtype, algo, fixed=fixed)
 
 
-def test_several_value_blocks(monkeypatch):
-    """V = 40 in blocks of 16 (three programs a head, the last one partial): the per-block
-    partial sums of dq, dk, dbeta and dg add up."""
+@pytest.mark.parametrize("algo", ALGOS)
+def test_several_value_blocks(monkeypatch, algo):
+    """V = 40 in blocks of 16 (three programs a head, the last one partial): the recurrent
+    kernels' per-block partial sums add up; the chunk states walk each block alone."""
     monkeypatch.setattr(gdr_recurrent, "MAX_BV_INTERPRET", 16)
-    inputs = make_inputs(batch=1, seq_len=10, key_dim=32, value_dim=40)
-    run_check(inputs, torch.float32, "recurrent")
+    inputs = make_inputs(
+        batch=1, seq_len=10 if algo == "recurrent" else 20, key_dim=32, value_dim=40
+    )
+    run_check(inputs, torch.float32, algo)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_extreme_gates(algo):
+    """Gates of -30, -5000 (a chunk cumsum past -5000, where G_t - G_s would keep only 5e-4 of
+    the decays after it), -1e4 and -inf (a full reset) amid mild ones: finite and exact in
+    fp32, dg included."""
+    inputs = make_inputs(batch=1, seq_len=36)
+    g = inputs["g"]
+    g[:, 2] = -5000.0
+    g[:, 7] = -30.0
+    g[:, 19, 0] = -1e4
+    g[:, 25, 1] = -float("inf")
+    result = run_check(inputs, torch.float32, algo)
+    assert all(torch.isfinite(x).all() for x in result.outputs)
+    assert all(torch.isfinite(x).all() for x in result.grads.values())
 
 
 def per_sequence(fn, offsets):

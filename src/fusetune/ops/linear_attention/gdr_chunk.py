@@ -57,12 +57,33 @@ def _slot(i_n, bos, T, i_c, BT: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _load_gates(gc_buf, buf_rows, mt, r, n_valid):
-    """A chunk's cumulative log decays and the last valid one; rows past the end take the last
-    one (padding must see no decay: 0 - G would be a positive exponent)."""
-    gc = tl.load(gc_buf + buf_rows, mask=mt, other=0.0)
-    g_last = tl.sum(tl.where(r == n_valid - 1, gc, 0.0), axis=0)
-    return tl.where(mt, gc, g_last), g_last
+def _load_gates(g_buf, buf_rows, mt):
+    """A chunk's log decays g (0 past the end: padding sees no decay), their cumsum G and the
+    chunk's total G_last."""
+    g = tl.load(g_buf + buf_rows, mask=mt, other=0.0)
+    return g, tl.cumsum(g, axis=0), tl.sum(g, axis=0)
+
+
+@triton.jit
+def _decays(g, r, LOWER: tl.constexpr):
+    """exp(g_{s+1} + ... + g_t) on t > s (LOWER) or t >= s, else 0. The sums are formed
+    directly (a 0/1 matmul of terms of one sign), not as G_t - G_s: cumsums reach -1000 and
+    more in these models, where fp32 keeps only 1e-4 absolute, and exp turns that into a
+    1e-4 relative error of the decay."""
+    upto = tl.where(r[None, :] <= r[:, None], g[None, :], 0.0)  # [t, u]: g_u for u <= t
+    after = tl.where(r[:, None] > r[None, :], 1.0, 0.0)  # [u, s]: u > s
+    span = tl.dot(upto, after, input_precision="ieee")  # [t, s]: sum over s < u <= t
+    if LOWER:
+        keep = r[:, None] > r[None, :]
+    else:
+        keep = r[:, None] >= r[None, :]
+    return tl.exp(tl.where(keep, span, float("-inf")))
+
+
+@triton.jit
+def _tail(g, r):
+    """g_{s+1} + ... + g_last for every s (the decay from token s to the chunk's end)."""
+    return tl.sum(tl.where(r[None, :] > r[:, None], g[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -72,8 +93,8 @@ def wy_kernel(
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr,
     VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
-    """W [T, HV, K], U [T, HV, V] and the chunk-local cumsum G [T, HV] (fp32, rows of the
-    contiguous buffers r = (b * T + t) * HV + h)."""
+    """W [T, HV, K], U [T, HV, V] and the floored gates g [T, HV] for the other kernels (fp32,
+    rows of the contiguous buffers r = (b * T + t) * HV + h)."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -85,13 +106,12 @@ def wy_kernel(
                  mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
     vc = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
                  mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    gc = tl.cumsum(tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt,
-                           other=0.0).to(tl.float32), axis=0)
+    gq = tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt, other=0.0).to(tl.float32)
+    gq = tl.maximum(gq, -1.0e4)  # exp(-1e4) is 0 to fp32; -inf would give 0 * inf below
+    gc = tl.cumsum(gq, axis=0)
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     r = tl.arange(0, BT)
-    lower = r[:, None] > r[None, :]
-    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    A = bc[:, None] * mm(kc, tl.trans(kc), DOT) * decay
+    A = bc[:, None] * mm(kc, tl.trans(kc), DOT) * _decays(gq, r, True)
     # T = (I + A)^-1 by forward substitution, one row at a time: T_i = e_i - A_i T.
     Tinv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in range(1, BT):
@@ -103,7 +123,7 @@ def wy_kernel(
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(w_buf + out_rows[:, None] * K + ck[None, :], W, mask=mt[:, None] & mk[None, :])
     tl.store(u_buf + out_rows[:, None] * V + cv[None, :], U, mask=mt[:, None] & mv[None, :])
-    tl.store(gc_buf + out_rows, gc, mask=mt)
+    tl.store(gc_buf + out_rows, gq, mask=mt)
 
 
 @triton.jit
@@ -141,10 +161,10 @@ def states_kernel(
                      other=0.0)
         Dc = Uc - mm(Wc, S, DOT)
         tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mt[:, None] & mv[None, :])
-        gc, g_last = _load_gates(gc_buf, buf_rows, mt, r, tl.minimum(eos - start, BT))
+        gq, _, g_last = _load_gates(gc_buf, buf_rows, mt)
         kc = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
                      other=0.0).to(tl.float32)
-        kd = tl.where(mt[:, None], kc * tl.exp(g_last - gc)[:, None], 0.0)
+        kd = tl.where(mt[:, None], kc * tl.exp(_tail(gq, r))[:, None], 0.0)
         S = S * tl.exp(g_last) + mm(tl.trans(kd), Dc, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
@@ -172,15 +192,13 @@ def output_kernel(
                  mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
     r = tl.arange(0, BT)
-    gc, _ = _load_gates(gc_buf, buf_rows, mt, r, end - start)
+    gq, gc, _ = _load_gates(gc_buf, buf_rows, mt)
     Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mt[:, None] & mv[None, :],
                  other=0.0)
     slot = _slot(i_n, bos, T, i_c, BT, VARLEN)
     S0 = tl.load(h_buf + (slot * HV + i_h) * K * V + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
-    causal = r[:, None] >= r[None, :]
-    gamma = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-    attn = mm(qc, tl.trans(kc), DOT) * gamma
+    attn = mm(qc, tl.trans(kc), DOT) * _decays(gq, r, False)
     out = mm(qc * tl.exp(gc)[:, None], S0, DOT) + mm(attn, Dc, DOT)
     tl.store(o + i_b * so_b + i_h * so_h + rows[:, None] * so_t + cv[None, :],
              out.to(o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
@@ -192,16 +210,6 @@ def output_kernel(
 # chunk), storing it per chunk with dD; ``bwd_chunk_kernel`` forms every input gradient of a
 # chunk from those. dg is formed term by term with each term's decay factor (no reverse running
 # sum of O(1) terms: that loses the strongly decaying heads, where dg is O(exp(g))).
-
-
-@triton.jit
-def _decays(gc, r, LOWER: tl.constexpr):
-    """exp(G_t - G_s) on t > s (LOWER) or t >= s, else 0."""
-    if LOWER:
-        keep = r[:, None] > r[None, :]
-    else:
-        keep = r[:, None] >= r[None, :]
-    return tl.exp(tl.where(keep, gc[:, None] - gc[None, :], float("-inf")))
 
 
 @triton.jit
@@ -246,9 +254,9 @@ def dstates_kernel(
         dOc = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mt[:, None] & mv[None, :],
                       other=0.0).to(tl.float32)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
-        gc, g_last = _load_gates(gc_buf, buf_rows, mt, r, tl.minimum(eos - start, BT))
-        P = mm(qc, tl.trans(kc), DOT) * _decays(gc, r, False)
-        kd = tl.where(mt[:, None], kc * tl.exp(g_last - gc)[:, None], 0.0)
+        gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
+        P = mm(qc, tl.trans(kc), DOT) * _decays(gq, r, False)
+        kd = tl.where(mt[:, None], kc * tl.exp(_tail(gq, r))[:, None], 0.0)
         dDc = mm(kd, dS, DOT) + mm(tl.trans(P), dOc, DOT)
         tl.store(dd_buf + buf_rows[:, None] * V + cv[None, :], dDc,
                  mask=mt[:, None] & mv[None, :])
@@ -288,7 +296,7 @@ def bwd_chunk_kernel(
                   other=0.0).to(tl.float32)
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
-    gc, g_last = _load_gates(gc_buf, buf_rows, mt, r, end - start)
+    gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
     dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
     slot = _slot(i_n, bos, T, i_c, BT, VARLEN)
@@ -296,9 +304,9 @@ def bwd_chunk_kernel(
     S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
     dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
     eg = tl.exp(gc)
-    eg_end = tl.where(mt, tl.exp(g_last - gc), 0.0)
-    gamma = _decays(gc, r, False)
-    gamma_lower = _decays(gc, r, True)
+    eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
+    gamma = _decays(gq, r, False)
+    gamma_lower = _decays(gq, r, True)
     # WY again: A, T = (I + A)^-1, W = T (beta e^G K), U = T (beta V).
     KK = mm(kc, tl.trans(kc), DOT)
     A = bc[:, None] * KK * gamma_lower
