@@ -676,12 +676,13 @@ def _fake_backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias,
         (getattr(down_bias, "shape", (0,)), f32),
         *((getattr(t, "shape", (0,)), f32) for t in (a_gu, b_gu, a_d, b_d)),
     ]
-    return [_grad_like(s, d, x, w) for (s, d), w in zip(specs, needs, strict=True)]
+    return tuple(_grad_like(s, d, x, w) for (s, d), w in zip(specs, needs, strict=True))
 
 
 @_utils.register_op(
     f"moe_backward(Tensor grad, {_TENSOR_ARGS}, Tensor tokens, Tensor slots, Tensor offsets, "
-    f"Tensor gu, Tensor xa_gu, Tensor xa_d, {_LAYOUT_ARGS}, bool[] needs) -> Tensor[]",
+    f"Tensor gu, Tensor xa_gu, Tensor xa_d, {_LAYOUT_ARGS}, bool[] needs) -> "
+    f"({', '.join(['Tensor'] * len(GRAD_NAMES))})",
     fake=_fake_backward,
 )
 def _backward_op(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, a_gu,
@@ -692,7 +693,7 @@ def _backward_op(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, d
     grads = _backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias,
                       a_gu, b_gu, a_d, b_d, s_gu, s_d, tokens, slots, offsets, gu, xa_gu, xa_d,
                       layout, act, alpha, limit, needs, inplace=False)
-    return [g if g is not None else x.new_empty((0,)) for g in grads]
+    return tuple(g if g is not None else x.new_empty((0,)) for g in grads)
 
 
 # ============================================================================ autograd
