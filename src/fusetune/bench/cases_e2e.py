@@ -72,6 +72,8 @@ class Shape:
     model_type: str
     config: dict[str, Any]
     batch: int
+    targets: tuple[str, ...] | str = tuple(TARGETS)  # PEFT's target_modules
+    default: bool = True  # in the default --shapes and a registered harness case
 
 
 SHAPES = {
@@ -108,7 +110,75 @@ SHAPES = {
         ),
         batch=8,
     ),
+    # Issue 19's families, on request (--shapes): the largest vocabulary, a fused gate_up, and a
+    # hybrid of Gated DeltaNet and attention layers.
+    "gemma3-1b": Shape(
+        "Gemma-3-1B",
+        "gemma3_text",
+        dict(
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        batch=4,
+        default=False,
+    ),
+    "phi3-mini": Shape(
+        "Phi-3-mini",
+        "phi3",
+        dict(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+        batch=4,
+        targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        default=False,
+    ),
+    # A small Qwen3.5-style hybrid (3 Gated DeltaNet layers to 1 attention layer); the FLOP
+    # count treats every layer as attention, so its TFLOP/s is indicative only.
+    "qwen3.5-small": Shape(
+        "Qwen3.5-small",
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        batch=4,
+        targets="all-linear",
+        default=False,
+    ),
 }
+DEFAULT_SHAPES = [key for key, shape in SHAPES.items() if shape.default]
+# Liger-Kernel's patch per model type (its apply_liger_kernel_to_<name>)
+LIGER_PATCHES = {"gemma3_text": "gemma3_text", "qwen3_5_text": "qwen3_5"}
 # The CPU smoke run (and --tiny): the same families, a few thousand parameters.
 TINY_CONFIG = dict(
     vocab_size=512,
@@ -118,6 +188,7 @@ TINY_CONFIG = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
+    pad_token_id=0,  # inside the tiny vocabulary (Phi-3's is 32000)
 )
 TINY_SEQ_LEN, TINY_BATCH = 64, 2
 
@@ -135,9 +206,10 @@ def model_config(shape: Shape, tiny: bool) -> Any:
 def apply_liger(model_type: str) -> None:
     """Liger-Kernel's patch for the family, all its defaults, on the classes (before building:
     the model is then built from Liger's modules, as ``AutoLigerKernelForCausalLM`` does)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+    import liger_kernel.transformers as liger
 
-    {"llama": apply_liger_kernel_to_llama, "qwen2": apply_liger_kernel_to_qwen2}[model_type]()
+    name = LIGER_PATCHES.get(model_type, model_type)
+    getattr(liger, f"apply_liger_kernel_to_{name}")()
 
 
 def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch.nn.Module:
@@ -156,7 +228,8 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
             model_config(shape, tiny), dtype=base_dtype, attn_implementation="sdpa"
         )
     model.config.use_cache = False
-    lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS)
+    targets = _targets(shape)
+    lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=targets)
     model = peft.get_peft_model(model, lora)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
@@ -166,6 +239,10 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
 
         hf_integration.apply(model)
     return model
+
+
+def _targets(shape: Shape) -> list[str] | str:
+    return shape.targets if isinstance(shape.targets, str) else list(shape.targets)
 
 
 def make_step(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -514,7 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="One LoRA training step of Llama-3.2-1B- and Qwen2.5-0.5B-shaped models: "
         "HF + PEFT, + Liger-Kernel, + fusetune (tiny smoke run without a GPU).",
     )
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="(default: %(default)s)")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(DEFAULT_SHAPES),
+        help=f"of {', '.join(SHAPES)} (default: %(default)s)",
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help="(default: %(default)s)")
     parser.add_argument("--batch", type=int, default=None, help="(default: 4 Llama, 8 Qwen)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
@@ -629,7 +710,8 @@ def _harness_flops(key: str) -> Callable[[bool], float]:
     return floor
 
 
-for _key, _shape in SHAPES.items():
+for _key in DEFAULT_SHAPES:
+    _shape = SHAPES[_key]
     register(
         Case(
             op="e2e",
