@@ -328,10 +328,10 @@ class _Route:
         self.experts = experts
         if tokens is None:
             ids = topk_ids.reshape(-1).long()
-            order = torch.sort(ids, stable=True).indices
-            counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
-            counts.scatter_add_(0, ids, torch.ones_like(ids))
-            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+            sorted_ids, order = torch.sort(ids, stable=True)
+            # Expert e's rows start at the first sorted id >= e: no atomics (deterministic).
+            bounds = torch.arange(experts + 1, device=ids.device)
+            offsets = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
             slots = order.to(torch.int32)
             tokens = (order // topk_ids.shape[1]).to(torch.int32)
         self.tokens, self.slots, self.offsets = tokens, slots, offsets
@@ -600,22 +600,15 @@ def _weight_grads(grads, need, route, layout, x, dout, dgu, h, weights, gate_up,
         view = out.transpose(1, 2) if layout.transposed else out
         grads["down"] = out
         _expert_outer(dout, h, route, view, x_gather=True, scale=weights)
-    sorted_experts = None
-    if need["gate_up_bias"] or need["down_bias"]:
-        offsets = route.offsets.long()
-        counts = offsets[1:] - offsets[:-1]
-        sorted_experts = torch.repeat_interleave(
-            torch.arange(experts, device=x.device), counts, output_size=route.n_rows
-        )
+    # Bias gradients: per-expert column sums, the outer-product kernel against a ones column.
+    ones = x.new_ones((route.n_rows, 1))
     if need["gate_up_bias"]:
-        grads["gate_up_bias"] = torch.zeros(
-            (experts, dgu.shape[1]), dtype=torch.float32, device=x.device
-        ).index_add_(0, sorted_experts, dgu.float())
+        out = _utils.empty((experts, dgu.shape[1], 1), torch.float32, x.device)
+        grads["gate_up_bias"] = _expert_outer(dgu, ones, route, out)[..., 0]
     if need["down_bias"]:
-        rows = dout[route.tokens.long()].float() * weights[:, None]
-        grads["down_bias"] = torch.zeros(
-            (experts, layout.hidden), dtype=torch.float32, device=x.device
-        ).index_add_(0, sorted_experts, rows)
+        out = _utils.empty((experts, layout.hidden, 1), torch.float32, x.device)
+        grads["down_bias"] = _expert_outer(dout, ones, route, out, x_gather=True,
+                                           scale=weights)[..., 0]
 
 
 # ============================================================================ custom ops
