@@ -22,8 +22,11 @@ min(S, S / BM + E) tiles, so grids depend on shapes only.
             LoRA grads per expert (one program per expert and output tile, deterministic):
             dBgu = s dgu^T xa_gu, dAgu = s g_gu^T x[tok], dBd = s (w dout[tok])^T xa_d,
             dAd = s (w g_d)^T h
-            expert weights / biases: only when they require grad (full fine-tuning).
-Not fused: the sort and tile table (a few small torch ops), the K-sums of out and dx (torch),
+            expert weights / biases: only when they require grad (full fine-tuning), by the
+            same per-expert kernel (biases: against a ones column).
+Nothing uses atomics: results are deterministic. Not fused: the sort, offsets and tile table
+(a few small torch ops), x A^T and dout B_d (own thin grouped GEMMs: fusing them into the big
+kernels' loops would recompute them once per column tile), the K-sums of out and dx (torch),
 the bias part of d(w) (one [N, E] matmul).
 
 Layout: kernels, launchers, registered ops, autograd Function, public function.
