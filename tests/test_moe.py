@@ -434,3 +434,28 @@ def test_route_peft_target_parameters():
             assert_close(
                 "disabled", routed(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5
             )
+
+
+def test_route_leaves_other_modules_alone():
+    from fusetune.integrations import moe as integration
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+    assert integration.route(model) == 0 and integration.unroute(model) == 0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="determinism of the compiled kernels: GPU pass")
+def test_deterministic():
+    """No atomics: the same inputs give bitwise the same output and gradients."""
+    tensors = _on_device(inputs(512, lora=True, bias=True, transposed=True, experts=16), BF16)
+    names = ["x", "topk_weights", *LORA_NAMES]
+    results = []
+    for _ in range(2):
+        leaves = {
+            k: (v.detach().clone().requires_grad_(k in names) if k != "topk_ids" else v)
+            for k, v in tensors.items()
+        }
+        out = op(fusetune.moe_mlp, **GPT_OSS)(**dict(leaves))
+        out.float().square().sum().backward()
+        results.append([out, *(leaves[n].grad for n in names)])
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
