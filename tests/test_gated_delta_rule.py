@@ -122,7 +122,7 @@ def test_matrix(dtype, autocast, mode, layout):
     (the training path), with grouped value heads, sizes that pad every block (K = 12, V = 20)
     and two chunks (16 tokens a chunk under the interpreter)."""
     assert uses_kernels(torch.empty(0, dtype=dtype, device=DEVICE))
-    inputs = make_inputs(batch=2, seq_len=19)
+    inputs = make_inputs(batch=1, seq_len=19)
     run_check(inputs, dtype, "chunk", mode=mode, autocast=autocast, layout=layout)
 
 

@@ -1,7 +1,9 @@
 """``fusetune.gated_delta_rule``: argument checks, dispatch, custom ops and autograd.
 
-Math of the backward (per sequence and value head; S_t the state after token t, a_t = exp(g_t),
-e_t = v_t - (a_t S_{t-1})^T k_t, L_t = dLoss/dS_t including scale q_t do_t^T):
+Kernels: ``gdr_chunk`` (mode="chunk": WY form per chunk of 64 tokens; its backward's math is in
+``bwd_chunk_kernel``) and ``gdr_recurrent`` (mode="recurrent", token by token).
+Math of the recurrent backward (per sequence and value head; S_t the state after token t,
+a_t = exp(g_t), e_t = v_t - (a_t S_{t-1})^T k_t, L_t = dLoss/dS_t including scale q_t do_t^T):
     dd_t = L_t^T k_t                 dv_t = beta_t dd_t          dbeta_t = dd_t . e_t
     dk_t = beta_t L_t e_t - beta_t (a_t S_{t-1}) dd_t           dq_t = scale S_t do_t
     L_{t-1} = a_t (L_t - beta_t k_t dd_t^T) + scale q_{t-1} do_{t-1}^T
@@ -95,9 +97,14 @@ class _ChunkRun:
         self.h_buf = _utils.empty(self.state_shape, f32, device)
         self.bva = max(16, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(16, plan.BV)
+        # IEEE fp32 products throughout, whatever the input dtype: tf32 (fp16's 10-bit mantissa)
+        # on the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on
+        # dg in fp16 (issue 20, item 4). The chunk kernels' FLOPs are small enough to afford it.
         self.common = dict(GROUP=plan.group, K=plan.key_dim, V=plan.value_dim, BT=self.bt,
-                           BK=plan.BK, VARLEN=plan.varlen,
-                           DOT=2 if v.dtype == torch.float32 else 1, num_warps=4)
+                           BK=plan.BK, VARLEN=plan.varlen, DOT=2, num_warps=4)
+        # The per-chunk kernels hold [K, V] states and many [BT, V] tiles: more warps, fewer
+        # registers a thread.
+        self.wide = dict(self.common, num_warps=8)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
 
@@ -106,7 +113,7 @@ class _ChunkRun:
         gdr_chunk.wy_kernel[self.chunk_grid](
             k, g, beta, v, self.w_buf, self.u_buf, self.gc_buf, cu_arg, *bth_strides(k),
             *g.stride(), *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads,
-            BVA=self.bva, **self.common,
+            BVA=self.bva, **self.wide,
         )
         gdr_chunk.states_kernel[self.column_grid](
             k, self.w_buf, self.u_buf, self.gc_buf, self.d_buf, self.h_buf,
@@ -129,7 +136,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
     run.states(plan, k, v, g, beta, h0, hT if output_final_state else None, cu_arg)
     gdr_chunk.output_kernel[run.chunk_grid](
         q, k, run.gc_buf, run.d_buf, run.h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
-        *bth_strides(o), scale, plan.seq_len, plan.value_heads, BVA=run.bva, **run.common,
+        *bth_strides(o), scale, plan.seq_len, plan.value_heads, BVA=run.bva, **run.wide,
     )
     return o, hT
 
@@ -161,7 +168,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         q, k, v, beta, do, run.gc_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf, dk_buf, dv,
         dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v),
         *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
-        plan.value_heads, BVA=run.bva, **run.common,
+        plan.value_heads, BVA=run.bva, **run.wide,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 
@@ -315,9 +322,11 @@ def gated_delta_rule(
             non-decreasing, T last (values checked for CPU tensors; clamped on the GPU).
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (x * rsqrt(sum x^2 + 1e-6),
             in fp32), as Qwen3.5 asks.
-        mode: "chunk" (training) or "recurrent" (decoding). Both compute the same function;
-            today both run the recurrent kernels (one program per sequence, value head and block
-            of value columns, token by token; three sweeps in backward).
+        mode: "chunk" (training: chunks of 64 tokens in the WY form, fp32 states passed between
+            chunks, IEEE fp32 products; backward recomputes the chunk states, walks the chunks
+            in reverse for the state gradients, then one program per chunk and value head) or
+            "recurrent" (decoding, short T: token by token, one program per sequence, value
+            head and block of value columns). Both compute the same function to rounding.
 
     Returns:
         (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).

@@ -10,7 +10,7 @@ log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
 Three launches: ``wy_kernel`` (per chunk: A, T by forward substitution, W, U, G), ``states_kernel``
 (per sequence, value head and block of value columns, sequential over chunks: every chunk's S0,
 D, the final state), ``output_kernel`` (per chunk: O).
-Every product runs in fp32 (IEEE for fp32 inputs, tf32 otherwise); exp arguments are <= 0.
+Products run in fp32 (``DOT``: the launcher asks for IEEE always); exp arguments are <= 0.
 """
 
 from __future__ import annotations
