@@ -133,6 +133,16 @@ def test_gpt_oss_layout_bias_and_clamped_swiglu(dtype):
     check(tensors, dtype, grad, **{**GPT_OSS, "limit": 1.5 if dtype == FP32 else 3.0})
 
 
+@pytest.mark.parametrize("only", ["gate_up", "down"])
+def test_lora_on_one_projection(only):
+    """PEFT may target one of the two parameters: the other pair is None."""
+    tensors = inputs(lora=True)
+    for name in LORA_NAMES:
+        if not name.startswith(only):
+            del tensors[name]
+    check(tensors, FP32, ["x", "topk_weights", f"{only}_a", f"{only}_b"])
+
+
 def test_autocast_fp32_inputs_noncontiguous():
     """fp32 inputs and adapters under bf16 autocast; x and the weights strided."""
     check(
