@@ -400,3 +400,111 @@ def test_more_than_2_to_the_31_elements():
     expected_loss = reference_ce(expected.detach(), labels[tail], reduction="none")
     assert_close("tail loss", loss[tail], expected_loss, tolerance(torch.float32))
     assert_close("tail grad", logits.grad[tail], expected.grad, tolerance(torch.bfloat16))
+
+
+# ============================================================================ class weights
+
+
+def class_weighted_inputs(shape, *, zero_class=True):
+    """make_inputs plus class weights in [0.1, 2.1) (float64), one of them 0 as a user masking a
+    class would set it, with a label of that class present."""
+    inputs = make_inputs(shape)
+    weight = torch.rand(shape[-1], dtype=torch.float64) * 2 + 0.1
+    if zero_class:
+        weight[3] = 0.0
+        inputs["labels"].view(-1)[0] = 3
+    inputs["weight"] = weight
+    return inputs
+
+
+WEIGHT_OPTIONS = {
+    "plain": {},
+    "smoothing-softcap-zloss": dict(label_smoothing=0.15, logit_softcap=4.0, z_loss=1e-3),
+    "num_items": dict(num_items=9),
+}
+WEIGHT_CASES = [
+    (option, reduction, chunks)
+    for option in WEIGHT_OPTIONS
+    for reduction in ("mean", "sum", "none")
+    for chunks in (1, 3)
+    if not (option == "num_items" and reduction == "none")
+]
+
+
+@pytest.mark.parametrize("option,reduction,chunks", WEIGHT_CASES)
+def test_class_weights(option, reduction, chunks, monkeypatch):
+    """Every launch shape and reduction, with smoothing (each class's share weighted) and
+    z-loss (not weighted), in bf16 logits."""
+    force_launch(monkeypatch, chunks, block=64)
+    kwargs = dict(WEIGHT_OPTIONS[option], reduction=reduction)
+    run(class_weighted_inputs((7, 300)), torch.bfloat16, kwargs=kwargs)
+
+
+@pytest.mark.parametrize(
+    "dtype,mode,layout",
+    [
+        (torch.float32, "eager", "contiguous"),
+        (torch.float16, "eager", "noncontiguous"),
+        (torch.bfloat16, "compile", "noncontiguous"),
+        (torch.float32, "compile", "contiguous"),
+    ],
+    ids=["fp32", "fp16-noncontiguous", "bf16-compile", "fp32-compile"],
+)
+def test_class_weights_dtypes(dtype, mode, layout, monkeypatch):
+    force_launch(monkeypatch, 1)
+    kwargs = dict(label_smoothing=0.1, z_loss=1e-3, return_z_loss=True)
+    run(class_weighted_inputs((2, 5, 301)), dtype, kwargs=kwargs, mode=mode, layout=layout)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+def test_class_weights_reference_is_torch(reduction, label_smoothing):
+    """The float64 reference equals torch.nn.functional.cross_entropy(weight=...)."""
+    inputs = class_weighted_inputs((9, 40))
+    options = dict(reduction=reduction, label_smoothing=label_smoothing)
+    logits, labels, weight = inputs["logits"], inputs["labels"], inputs["weight"]
+    want = torch.nn.functional.cross_entropy(logits, labels, weight=weight, **options)
+    got = reference_ce(logits, labels, weight=weight, **options)
+    assert_close("loss", got, want, 1e-14)
+
+
+def test_class_weights_with_inplace_backward():
+    inputs = class_weighted_inputs((24, 90))
+    weight = inputs["weight"].float().to(DEVICE)
+    options = dict(weight=weight, label_smoothing=0.1)
+    logits = inputs["logits"].float().to(DEVICE).requires_grad_()
+    labels = inputs["labels"].to(DEVICE)
+    want = fusetune.cross_entropy(logits, labels, **options)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    scratch = logits.detach().clone().requires_grad_()
+    got = fusetune.cross_entropy(scratch * 1.0, labels, inplace_backward=True, **options)
+    (grad,) = torch.autograd.grad(got, scratch)
+    assert_close("loss", got, want, 1e-6)
+    assert_close("grad", grad, want_grad, 1e-6)
+
+
+def test_class_weights_all_ignored_or_zero_weight_mean_is_zero():
+    logits = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    weight = torch.ones(10, device=DEVICE)
+    weight[2] = 0.0
+    for labels in ([IGNORE] * 4, [2, 2, IGNORE, 2]):
+        labels = torch.tensor(labels, device=DEVICE)
+        loss = fusetune.cross_entropy(logits, labels, weight=weight)
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert loss.item() == 0.0 and not grad.any()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_class_weights_bad_input(mode):
+    call = fusetune.cross_entropy
+    if mode == "compile":
+        call = torch.compile(
+            fusetune.cross_entropy, backend="aot_eager", fullgraph=True, dynamic=True
+        )
+    logits = torch.randn(4, 10, device=DEVICE)
+    labels = torch.randint(0, 10, (4,), device=DEVICE)
+    weight = torch.ones(9, device=DEVICE)
+    assert_raises(ValueError, "weight must have shape|one weight per class", call, logits,
+                  labels, weight=weight)  # fmt: skip
+    assert_raises(TypeError, "weight", call, logits, labels, weight=torch.ones(10, device=DEVICE,
+                  dtype=torch.long))  # fmt: skip

@@ -4,6 +4,10 @@ Per token, with z = softcap(scale * x) and L = logsumexp(z):
     loss = L - (1 - eps) z_y - eps mean(z) + z_loss L^2
     dloss/dz_j = softmax_j (1 + 2 z_loss L) - (1 - eps) [j == y] - eps / V
     dz/dx = scale (1 - (z / softcap)^2)          (scale alone without a softcap)
+With class weights w (``weight=``, as torch's): the cross-entropy terms are weighted as torch
+weights them, with a = (1 - eps) w_y + eps sum(w) / V:
+    loss = a L - (1 - eps) w_y z_y - eps sum_j w_j z_j / V + z_loss L^2
+    dloss/dz_j = softmax_j (a + 2 z_loss L) - (1 - eps) w_y [j == y] - eps w_j / V
 
 Two launch shapes, picked from the row count:
 * many rows: one program per row reads the row once for the logsumexp and, when a gradient is
@@ -47,24 +51,36 @@ def _load_transformed(
 
 
 @triton.jit
-def _block_logsumexp(z, mask, HAS_SMOOTHING: tl.constexpr):
-    """logsumexp and sum of one block of transformed logits (-inf lanes allowed)."""
+def _smoothing_sum(z, cols, mask, weight_ptr, HAS_WEIGHT: tl.constexpr):
+    """sum_j z_j over the block's lanes, or sum_j w_j z_j with class weights."""
+    z = tl.where(mask, z, 0.0)  # first: z is -inf off the row, and -inf * 0 is NaN
+    if HAS_WEIGHT:
+        z = z * tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    return tl.sum(z, axis=0)
+
+
+@triton.jit
+def _block_logsumexp(z, cols, mask, weight_ptr, HAS_SMOOTHING: tl.constexpr,
+                     HAS_WEIGHT: tl.constexpr):
+    """logsumexp and (weighted) sum of one block of transformed logits (-inf lanes allowed)."""
     block_max = tl.max(z, axis=0)
     # A row may hold -inf logits (a masked vocabulary): shift by 0 then, never by -inf.
     shift = tl.where(block_max == float("-inf"), 0.0, block_max)
     logsumexp = shift + tl.log(tl.sum(tl.exp(z - shift), axis=0))
     sum_z = 0.0
     if HAS_SMOOTHING:
-        sum_z = tl.sum(tl.where(mask, z, 0.0), axis=0)
+        sum_z = _smoothing_sum(z, cols, mask, weight_ptr, HAS_WEIGHT)
     return logsumexp, sum_z
 
 
 @triton.jit
 def _chunk_logsumexp(
-    row_ptr, col_start, col_end, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+    row_ptr, col_start, col_end, logit_scale, logit_softcap, weight_ptr, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Online logsumexp of z over [col_start, col_end), and the sum of z (for smoothing)."""
+    """Online logsumexp of z over [col_start, col_end), and the (class-weighted) sum of z, for
+    smoothing."""
     running_max = float("-inf")
     sum_exp = 0.0
     sum_z = 0.0
@@ -79,17 +95,35 @@ def _chunk_logsumexp(
         sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
         running_max = new_max
         if HAS_SMOOTHING:
-            sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            sum_z += _smoothing_sum(z, cols, mask, weight_ptr, HAS_WEIGHT)
     shift = tl.where(running_max == float("-inf"), 0.0, running_max)
     return shift + tl.log(sum_exp), sum_z
 
 
 @triton.jit
+def _class_coefs(weight_ptr, weight_sum_ptr, label, vocab, label_smoothing,
+                 HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(a, t): the token's coefficients of L and of z_y, (1, 1 - eps) without class weights,
+    ((1 - eps) w_y + eps sum(w) / V, (1 - eps) w_y) with them."""
+    row_coef = 1.0
+    target_coef = 1.0 - label_smoothing
+    if HAS_WEIGHT:
+        in_range = (label >= 0) & (label < vocab)
+        target_coef = (1.0 - label_smoothing) * tl.load(weight_ptr + tl.where(in_range, label, 0))
+        row_coef = target_coef
+        if HAS_SMOOTHING:
+            row_coef += label_smoothing * tl.load(weight_sum_ptr) / vocab
+    return row_coef, target_coef
+
+
+@triton.jit
 def _token_loss(
     row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss, logit_scale, logit_softcap,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    row_coef, target_coef, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):
-    """The per-token loss; NaN when the label is outside [0, vocab) (never read out of bounds)."""
+    """The per-token loss; NaN when the label is outside [0, vocab) (never read out of bounds).
+    (row_coef, target_coef) from _class_coefs."""
     in_range = (label >= 0) & (label < vocab)
     safe_label = tl.where(in_range, label, 0) + tl.arange(0, 1)
     target = tl.sum(
@@ -98,7 +132,10 @@ def _token_loss(
         ),
         axis=0,
     )
-    loss = logsumexp - (1.0 - label_smoothing) * target + z_loss * logsumexp * logsumexp
+    if HAS_WEIGHT:
+        loss = row_coef * logsumexp - target_coef * target + z_loss * logsumexp * logsumexp
+    else:
+        loss = logsumexp - (1.0 - label_smoothing) * target + z_loss * logsumexp * logsumexp
     if HAS_SMOOTHING:
         loss -= label_smoothing * sum_z / vocab
     return tl.where(in_range, loss, float("nan"))
@@ -114,11 +151,17 @@ def _grad_weight(grad_weight_ptr, label, vocab):
 @triton.jit
 def _block_grad(
     z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss, logit_scale,
-    logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    logit_softcap, weight_ptr, row_coef, target_coef, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):
     """d(grad_weight * loss)/dx for one block, from its transformed logits z."""
-    grad = tl.exp(z - logsumexp) * (1.0 + 2.0 * z_loss * logsumexp) - label_smoothing / vocab
-    grad -= tl.where(cols == label, 1.0 - label_smoothing, 0.0)
+    if HAS_WEIGHT:
+        grad = tl.exp(z - logsumexp) * (row_coef + 2.0 * z_loss * logsumexp)
+        if HAS_SMOOTHING:
+            grad -= label_smoothing / vocab * tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    else:
+        grad = tl.exp(z - logsumexp) * (1.0 + 2.0 * z_loss * logsumexp) - label_smoothing / vocab
+    grad -= tl.where(cols == label, target_coef, 0.0)
     if HAS_SOFTCAP:
         capped = tl.where(mask, z * (1.0 / logit_softcap), 0.0)  # z is -inf off the row
         grad *= 1.0 - capped * capped
@@ -130,8 +173,9 @@ def _block_grad(
 @triton.jit
 def _chunk_grad(
     row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp, grad_weight,
-    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    label_smoothing, z_loss, logit_scale, logit_softcap, weight_ptr, row_coef, target_coef,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Write the gradient over [col_start, col_end), last block first when REVERSE."""
     n_blocks = tl.cdiv(col_end - col_start, BLOCK)
@@ -147,7 +191,8 @@ def _chunk_grad(
         )
         grad = _block_grad(
             z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss,
-            logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
+            logit_scale, logit_softcap, weight_ptr, row_coef, target_coef, HAS_SCALE,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT,
         )
         tl.store(grad_row_ptr + cols, grad.to(grad_row_ptr.dtype.element_ty), mask=mask)
 
@@ -172,9 +217,10 @@ def _row_offset(row, rows_per_batch, stride_batch, stride_row):
 def _ce_row_kernel(
     logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, grad_weight_ptr, rows_per_batch,
     logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t, vocab, ignore_index,
-    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    label_smoothing, z_loss, logit_scale, logit_softcap, weight_ptr, weight_sum_ptr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program per row: loss and logsumexp, and the gradient when COMPUTE_GRAD.
     SINGLE_BLOCK (BLOCK >= vocab): the row stays in registers between the two passes."""
@@ -194,15 +240,21 @@ def _ce_row_kernel(
             z = _load_transformed(
                 row_ptr, cols, mask, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP
             )
-            logsumexp, sum_z = _block_logsumexp(z, mask, HAS_SMOOTHING)
+            logsumexp, sum_z = _block_logsumexp(
+                z, cols, mask, weight_ptr, HAS_SMOOTHING, HAS_WEIGHT
+            )
         else:
             logsumexp, sum_z = _chunk_logsumexp(
-                row_ptr, 0, vocab, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
-                HAS_SMOOTHING, BLOCK,
+                row_ptr, 0, vocab, logit_scale, logit_softcap, weight_ptr, HAS_SCALE, HAS_SOFTCAP,
+                HAS_SMOOTHING, HAS_WEIGHT, BLOCK,
             )
+        row_coef, target_coef = _class_coefs(
+            weight_ptr, weight_sum_ptr, label, vocab, label_smoothing, HAS_SMOOTHING, HAS_WEIGHT
+        )
         loss = _token_loss(
             row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss, logit_scale,
-            logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING,
+            logit_softcap, row_coef, target_coef, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING,
+            HAS_WEIGHT,
         )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
@@ -211,15 +263,16 @@ def _ce_row_kernel(
             if SINGLE_BLOCK:
                 grad = _block_grad(
                     z, cols, mask, label, vocab, logsumexp, grad_weight, label_smoothing, z_loss,
-                    logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
+                    logit_scale, logit_softcap, weight_ptr, row_coef, target_coef, HAS_SCALE,
+                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT,
                 )
                 tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             else:
                 # Reverse order: the blocks read last by the first pass are still in L2.
                 _chunk_grad(
                     row_ptr, grad_row_ptr, 0, vocab, label, vocab, logsumexp, grad_weight,
-                    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
-                    True, BLOCK,
+                    label_smoothing, z_loss, logit_scale, logit_softcap, weight_ptr, row_coef,
+                    target_coef, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT, True, BLOCK,
                 )
 
 
@@ -227,8 +280,8 @@ def _ce_row_kernel(
 def _ce_partial_kernel(
     logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, rows_per_batch, logits_stride_b,
     logits_stride_t, vocab, chunk, num_chunks, ignore_index, logit_scale, logit_softcap,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    BLOCK: tl.constexpr,
+    weight_ptr, weight_sum_ptr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): logsumexp and sum of z over one chunk of one row."""
     row = tl.program_id(0)
@@ -239,8 +292,8 @@ def _ce_partial_kernel(
         col_start = chunk_id * chunk
         col_end = tl.minimum(col_start + chunk, vocab)
         logsumexp, sum_z = _chunk_logsumexp(
-            row_ptr, col_start, col_end, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP,
-            HAS_SMOOTHING, BLOCK,
+            row_ptr, col_start, col_end, logit_scale, logit_softcap, weight_ptr, HAS_SCALE,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT, BLOCK,
         )
         slot = row.to(tl.int64) * num_chunks + chunk_id
         tl.store(partial_lse_ptr + slot, logsumexp)
@@ -251,8 +304,9 @@ def _ce_partial_kernel(
 def _ce_merge_kernel(
     logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, loss_ptr, lse_ptr, rows_per_batch,
     logits_stride_b, logits_stride_t, vocab, num_chunks, ignore_index, label_smoothing, z_loss,
-    logit_scale, logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+    logit_scale, logit_softcap, weight_ptr, weight_sum_ptr, HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
 ):
     """One program per row: merge the chunks' partial logsumexps into the row's loss."""
     row = tl.program_id(0)
@@ -265,12 +319,16 @@ def _ce_merge_kernel(
         in_row = slots < num_chunks
         base = row.to(tl.int64) * num_chunks
         partial_lse = tl.load(partial_lse_ptr + base + slots, mask=in_row, other=float("-inf"))
-        logsumexp, _ = _block_logsumexp(partial_lse, in_row, False)
+        logsumexp, _ = _block_logsumexp(partial_lse, slots, in_row, weight_ptr, False, False)
         sum_z = tl.sum(tl.load(partial_sum_ptr + base + slots, mask=in_row, other=0.0), axis=0)
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
+        row_coef, target_coef = _class_coefs(
+            weight_ptr, weight_sum_ptr, label, vocab, label_smoothing, HAS_SMOOTHING, HAS_WEIGHT
+        )
         loss = _token_loss(
             row_ptr, label, vocab, logsumexp, sum_z, label_smoothing, z_loss, logit_scale,
-            logit_softcap, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING,
+            logit_softcap, row_coef, target_coef, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING,
+            HAS_WEIGHT,
         )
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, logsumexp)
@@ -280,8 +338,9 @@ def _ce_merge_kernel(
 def _ce_grad_kernel(
     logits_ptr, labels_ptr, lse_ptr, grad_weight_ptr, grad_ptr, rows_per_batch, logits_stride_b,
     logits_stride_t, grad_stride_b, grad_stride_t, grad_weight_stride, vocab, chunk, ignore_index,
-    label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+    label_smoothing, z_loss, logit_scale, logit_softcap, weight_ptr, weight_sum_ptr,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Grid (rows, chunks): the gradient of one chunk of one row from the saved logsumexp.
     ``grad_weight`` is one scalar (stride 0) or one value per row (stride 1)."""
@@ -296,10 +355,13 @@ def _ce_grad_kernel(
         row_ptr = logits_ptr + _row_offset(row, rows_per_batch, logits_stride_b, logits_stride_t)
         grad_weight = _grad_weight(grad_weight_ptr + row * grad_weight_stride, label, vocab)
         logsumexp = tl.load(lse_ptr + row)
+        row_coef, target_coef = _class_coefs(
+            weight_ptr, weight_sum_ptr, label, vocab, label_smoothing, HAS_SMOOTHING, HAS_WEIGHT
+        )
         _chunk_grad(
             row_ptr, grad_row_ptr, col_start, col_end, label, vocab, logsumexp, grad_weight,
-            label_smoothing, z_loss, logit_scale, logit_softcap, HAS_SCALE, HAS_SOFTCAP, False,
-            BLOCK,
+            label_smoothing, z_loss, logit_scale, logit_softcap, weight_ptr, row_coef,
+            target_coef, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, HAS_WEIGHT, False, BLOCK,
         )
 
 
@@ -334,6 +396,18 @@ class _Options:
     z_loss: float
     logit_scale: float | None
     logit_softcap: float | None
+    class_weight: torch.Tensor | None = None  # fp32 [V], contiguous
+    class_weight_sum: torch.Tensor | None = None  # fp32 0-dim
+
+    def weight_args(self, placeholder: torch.Tensor) -> dict:
+        """The cross-entropy kernels' class-weight arguments (``placeholder``, never read,
+        stands in for the pointers without class weights)."""
+        has_weight = self.class_weight is not None
+        return dict(
+            weight_ptr=self.class_weight if has_weight else placeholder,
+            weight_sum_ptr=self.class_weight_sum if has_weight else placeholder,
+            HAS_WEIGHT=has_weight,
+        )
 
     def kernel_args(self) -> dict:
         return dict(
@@ -401,7 +475,7 @@ def _forward_stats(logits3, labels, options, plan, loss, lse, grad3=None, grad_w
             grad_target.stride(0), grad_target.stride(1), label_smoothing=options.label_smoothing,
             z_loss=options.z_loss, COMPUTE_GRAD=grad3 is not None,
             SINGLE_BLOCK=plan.block >= vocab, BLOCK=plan.block, num_warps=plan.num_warps, **common,
-            **flags,
+            **flags, **options.weight_args(lse),
         )
         return
     partial_lse = _utils.empty((n_rows, plan.chunks), torch.float32, logits3.device)
@@ -409,11 +483,13 @@ def _forward_stats(logits3, labels, options, plan, loss, lse, grad3=None, grad_w
     _ce_partial_kernel[(n_rows, plan.chunks)](
         logits3, labels, partial_lse, partial_sum, *_row_args(logits3), chunk=plan.chunk,
         num_chunks=plan.chunks, BLOCK=plan.block, num_warps=plan.num_warps, **common, **flags,
+        **options.weight_args(lse),
     )
     _ce_merge_kernel[(n_rows,)](
         logits3, labels, partial_lse, partial_sum, loss, lse, *_row_args(logits3),
         num_chunks=plan.chunks, label_smoothing=options.label_smoothing, z_loss=options.z_loss,
         CHUNKS_BLOCK=_utils.next_power_of_2(plan.chunks), num_warps=1, **common, **flags,
+        **options.weight_args(lse),
     )
     if grad3 is not None:
         _write_grad(logits3, labels, lse, grad_weight, grad3, options, plan)
@@ -427,7 +503,8 @@ def _write_grad(logits3, labels, lse, grad_weight, grad3, options, plan):
         grad3.stride(1), grad_weight_stride=1 if grad_weight.dim() else 0, vocab=logits3.shape[-1],
         chunk=plan.chunk, ignore_index=options.ignore_index,
         label_smoothing=options.label_smoothing, z_loss=options.z_loss, BLOCK=plan.block,
-        num_warps=plan.num_warps, **options.kernel_args(),
+        num_warps=plan.num_warps, HAS_SMOOTHING=options.label_smoothing > 0.0,
+        **options.kernel_args(), **options.weight_args(lse),
     )
 
 
@@ -449,13 +526,20 @@ _OPTION_SCHEMA = (
 
 
 def _fake_forward(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss,
-                  logit_scale, logit_softcap, compute_grad=False):
+                  logit_scale, logit_softcap, compute_grad=False, class_weight=None):
     n_rows = labels.numel()
     return (
         logits.new_empty((n_rows,), dtype=torch.float32),
         logits.new_empty((n_rows,), dtype=torch.float32),
         logits.new_empty(logits.shape if compute_grad else (0,)),
     )
+
+
+def _with_class_weight(op_args: tuple, class_weight: torch.Tensor | None) -> _Options:
+    """_Options from the ops' option arguments and their class weights (fp32 [V] or None)."""
+    if class_weight is None:
+        return _Options(*op_args)
+    return _Options(*op_args, class_weight=class_weight, class_weight_sum=class_weight.sum())
 
 
 def _prepare(logits: torch.Tensor, labels: torch.Tensor):
@@ -469,14 +553,17 @@ def _prepare(logits: torch.Tensor, labels: torch.Tensor):
 
 @_utils.register_op(
     "cross_entropy_forward(Tensor logits, Tensor labels, Tensor grad_weight, "
-    f"{_OPTION_SCHEMA}, bool compute_grad) -> (Tensor, Tensor, Tensor)",
+    f"{_OPTION_SCHEMA}, bool compute_grad, Tensor? class_weight=None) -> (Tensor, Tensor, Tensor)",
     fake=_fake_forward,
 )
-def _forward_op(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss,
-                logit_scale, logit_softcap, compute_grad):
+def _forward_op(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss, logit_scale,
+                logit_softcap, compute_grad, class_weight=None):
     """Per-token loss and logsumexp (fp32, [N]); with compute_grad, the logits gradient scaled by
-    grad_weight (0-dim fp32), shaped and typed like logits; else an empty tensor."""
-    options = _Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    grad_weight (0-dim fp32), shaped and typed like logits; else an empty tensor. class_weight:
+    None or fp32 [V]."""
+    options = _with_class_weight(
+        (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
+    )
     logits3, labels, loss, lse, plan = _prepare(logits, labels)
     grad = _utils.empty(logits.shape if compute_grad else (0,), logits.dtype, logits.device)
     if labels.numel():  # an empty grid cannot be launched
@@ -487,15 +574,17 @@ def _forward_op(logits, labels, grad_weight, ignore_index, label_smoothing, z_lo
 
 @_utils.register_op(
     "cross_entropy_forward_inplace(Tensor(a!) logits, Tensor labels, Tensor grad_weight, "
-    f"{_OPTION_SCHEMA}) -> (Tensor, Tensor)",
-    fake=lambda *args: _fake_forward(*args)[:2],
+    f"{_OPTION_SCHEMA}, Tensor? class_weight=None) -> (Tensor, Tensor)",
+    fake=lambda *args: _fake_forward(*args[:8])[:2],
 )
 def _forward_inplace_op(logits, labels, grad_weight, ignore_index, label_smoothing, z_loss,
-                        logit_scale, logit_softcap):
+                        logit_scale, logit_softcap, class_weight=None):
     """cross_entropy_forward with compute_grad, the gradient overwriting ``logits`` (whose last
     dim must be contiguous). Safe in place: each kernel writes a gradient block right after
     reading that same block, and only once the row's logsumexp is complete."""
-    options = _Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    options = _with_class_weight(
+        (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
+    )
     logits3, labels, loss, lse, plan = _prepare(logits, labels)
     if labels.numel():
         _forward_stats(logits3, labels, options, plan, loss, lse, logits3, grad_weight)
@@ -504,13 +593,15 @@ def _forward_inplace_op(logits, labels, grad_weight, ignore_index, label_smoothi
 
 @_utils.register_op(
     "cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, "
-    f"{_OPTION_SCHEMA}) -> Tensor",
+    f"{_OPTION_SCHEMA}, Tensor? class_weight=None) -> Tensor",
     fake=lambda grad_loss, logits, *rest: logits.new_empty(logits.shape),
 )
 def _backward_op(grad_loss, logits, labels, lse, ignore_index, label_smoothing, z_loss,
-                 logit_scale, logit_softcap):
+                 logit_scale, logit_softcap, class_weight=None):
     """Logits gradient from per-token upstream gradients ``grad_loss`` (fp32 [N] or 0-dim)."""
-    options = _Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    options = _with_class_weight(
+        (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
+    )
     logits3, labels, _, _, plan = _prepare(logits, labels)
     grad = _utils.empty(logits.shape, logits.dtype, logits.device)
     if labels.numel():
@@ -537,8 +628,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits, labels, inv_denominator, ignore_index, label_smoothing, z_loss, logit_scale,
-        logit_softcap, reduction, inplace_backward,
+        ctx, logits, labels, class_weight, inv_denominator, ignore_index, label_smoothing, z_loss,
+        logit_scale, logit_softcap, reduction, inplace_backward,
     ):
         op_args = (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
         needs_grad = ctx.needs_input_grad[0]
@@ -546,20 +637,24 @@ class _CrossEntropyFunction(torch.autograd.Function):
         # same pass over the logits, and only rescale it in backward if the upstream is not 1.
         fused = needs_grad and reduction != "none"
         if fused and inplace_backward:
-            loss, lse = _forward_inplace_op(logits, labels, inv_denominator, *op_args)
+            loss, lse = _forward_inplace_op(
+                logits, labels, inv_denominator, *op_args, class_weight
+            )
             grad = logits
             if not torch.compiler.is_compiling():
                 # Another autograd node that saved these logits must now fail loudly.
                 torch.autograd.graph.increment_version(logits)
         else:
-            loss, lse, grad = _forward_op(logits, labels, inv_denominator, *op_args, fused)
+            loss, lse, grad = _forward_op(
+                logits, labels, inv_denominator, *op_args, fused, class_weight
+            )
         if reduction != "none":
             loss = loss.sum() * inv_denominator
         ctx.op_args, ctx.fused = op_args, fused
         if fused:
             ctx.save_for_backward(grad)
         elif needs_grad:
-            ctx.save_for_backward(logits, labels, lse)
+            ctx.save_for_backward(logits, labels, lse, class_weight)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
@@ -570,9 +665,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
             (grad,) = ctx.saved_tensors
             _scale_op(grad, grad_loss)
         else:
-            logits, labels, lse = ctx.saved_tensors
-            grad = _backward_op(grad_loss, logits, labels, lse, *ctx.op_args)
-        return grad, None, None, None, None, None, None, None, None, None
+            logits, labels, lse, class_weight = ctx.saved_tensors
+            grad = _backward_op(grad_loss, logits, labels, lse, *ctx.op_args, class_weight)
+        return grad, *(None,) * 11
 
 
 # ============================================================================ public function
@@ -594,12 +689,17 @@ def op_options(
 
 
 def loss_scale(
-    valid: torch.Tensor, reduction: str, num_items: float | torch.Tensor | None
+    valid: torch.Tensor, reduction: str, num_items: float | torch.Tensor | None,
+    token_class_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """1 / the loss's denominator as a 0-dim fp32 tensor on the device (no host sync): the
-    non-ignored token count for "mean", ``num_items`` when given, else 1."""
+    non-ignored token count for "mean" (with class weights, the sum of the non-ignored tokens'
+    label weights, as torch; 1 where that is 0), ``num_items`` when given, else 1."""
     if num_items is not None:
         denominator = _utils.scalar_tensor(num_items, valid.device)
+    elif reduction == "mean" and token_class_weights is not None:
+        total = torch.where(valid, token_class_weights, 0.0).sum()
+        denominator = torch.where(total == 0, 1.0, total)
     elif reduction == "mean":
         denominator = valid.sum().clamp_min(1).to(torch.float32)
     else:
@@ -617,12 +717,24 @@ def z_loss_term(
     return value.detach()
 
 
+def _class_weights(
+    weight: torch.Tensor | None, labels: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(fp32 contiguous class weights [V], each token's label weight) or (None, None). A label
+    out of range reads a clamped index here: the kernel gives that token NaN anyway."""
+    if weight is None:
+        return None, None
+    class_weight = weight.detach().to(torch.float32).contiguous()
+    safe_labels = labels.clamp(0, class_weight.shape[0] - 1).long()
+    return class_weight, class_weight[safe_labels]
+
+
 def cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
     reduction: str = "mean", label_smoothing: float = 0.0, logit_softcap: float | None = None,
     logit_scale: float | None = None, z_loss: float = 0.0,
     num_items: float | torch.Tensor | None = None, return_z_loss: bool = False,
-    inplace_backward: bool = False,
+    inplace_backward: bool = False, weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``logits`` against integer ``labels``, fused forward and backward.
 
@@ -646,6 +758,12 @@ def cross_entropy(
             call: not you, and no other autograd node that saved them (in eager mode autograd
             raises if one did: the logits' version counter is bumped; under torch.compile
             that check is Dynamo's). Needs reduction "mean" or "sum".
+        weight: optional class weights [V] (floating, on the logits' device), as in
+            ``torch.nn.functional.cross_entropy``: a token's cross-entropy is scaled by its
+            label's weight (with label smoothing, each class's share of the smoothed target by
+            its own), and "mean" divides by the sum of the non-ignored tokens' label weights
+            (0, not NaN, when that sum is 0). The z-loss term is not weighted. Not
+            differentiated (nor is it in torch). Costs nothing when not given.
 
     Returns:
         the loss (fp32; 0-dim, or shaped like labels with reduction "none"), and with
@@ -656,13 +774,13 @@ def cross_entropy(
         ValueError: labels' shape not logits' leading dims; logits not 2-D or 3-D; an unknown
             reduction; label_smoothing outside [0, 1]; logit_softcap or logit_scale <= 0;
             z_loss < 0; num_items with reduction "none"; tensors on different devices; on the
-            CPU, a label outside [0, V) that is not ignore_index.
+            CPU, a label outside [0, V) that is not ignore_index; weight not [V].
 
     A label outside [0, V) on the GPU is never read out of bounds; that token's loss and
     gradient come out NaN, so the error shows in the loss without a host sync.
     """
     check_cross_entropy_args(
-        logits, labels, reduction=reduction, label_smoothing=label_smoothing,
+        logits, labels, weight, reduction=reduction, label_smoothing=label_smoothing,
         logit_softcap=logit_softcap, logit_scale=logit_scale, z_loss=z_loss, num_items=num_items,
         inplace_backward=inplace_backward,
     )
@@ -670,7 +788,7 @@ def cross_entropy(
         return reference_cross_entropy(
             logits, labels, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, logit_softcap=logit_softcap, logit_scale=logit_scale,
-            z_loss=z_loss, num_items=num_items, return_z_loss=return_z_loss,
+            z_loss=z_loss, num_items=num_items, return_z_loss=return_z_loss, weight=weight,
         )
     if logits.device.type == "cpu" and not torch.compiler.is_compiling():
         check_labels_in_range(labels, logits.shape[-1], ignore_index)
@@ -678,10 +796,11 @@ def cross_entropy(
     if inplace_backward and logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernels need a unit column stride to write in place
     valid = labels != ignore_index
-    inv_denominator = loss_scale(valid, reduction, num_items)
+    class_weight, token_class_weights = _class_weights(weight, labels)
+    inv_denominator = loss_scale(valid, reduction, num_items, token_class_weights)
 
     loss, lse = _CrossEntropyFunction.apply(
-        logits, labels, inv_denominator,
+        logits, labels, class_weight, inv_denominator,
         *op_options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap),
         reduction, inplace_backward,
     )

@@ -18,7 +18,10 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def check_cross_entropy_args(
-    logits: torch.Tensor, labels: torch.Tensor, **loss_options: object
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    **loss_options: object,
 ) -> None:
     """The argument checks :func:`fusetune.cross_entropy` and this reference share;
     ``loss_options`` are :func:`check_loss_options`' keywords."""
@@ -34,8 +37,20 @@ def check_cross_entropy_args(
         raise ValueError(
             f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}"
         )
-    check_same_device(logits=logits, labels=labels)
+    check_class_weight(weight, logits.shape[-1])
+    check_same_device(logits=logits, labels=labels, weight=weight)
     check_loss_options(**loss_options)
+
+
+def check_class_weight(weight: torch.Tensor | None, vocab: int) -> None:
+    """Class weights: None, or a floating [V] tensor."""
+    if weight is None:
+        return
+    check_floating("weight", weight)
+    if tuple(weight.shape) != (vocab,):
+        raise ValueError(
+            f"weight must have shape ({vocab},) (one weight per class), got {tuple(weight.shape)}"
+        )
 
 
 def check_loss_options(
@@ -110,16 +125,21 @@ def cross_entropy(
     num_items: float | torch.Tensor | None = None,
     return_z_loss: bool = False,
     inplace_backward: bool = False,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`fusetune.cross_entropy` (same signature and semantics).
 
     Per token with label y (z the scaled, softcapped logits, ε the smoothing):
     ``loss = lse(z) - (1 - ε) z_y - ε mean(z) + z_loss * lse(z)^2``; ignored tokens give 0.
+    With class weights w, torch's weighting of the cross-entropy terms:
+    ``loss = (1 - ε) w_y (lse - z_y) + ε / V sum_c w_c (lse - z_c) + z_loss * lse^2``, and
+    "mean" divides by the non-ignored tokens' sum of w_y (by 1 where that is 0).
     ``inplace_backward`` is accepted for signature parity and has no effect here.
     """
     check_cross_entropy_args(
         logits,
         labels,
+        weight,
         reduction=reduction,
         label_smoothing=label_smoothing,
         logit_softcap=logit_softcap,
@@ -136,9 +156,18 @@ def cross_entropy(
     valid = labels != ignore_index
     target = z.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
     eps = label_smoothing
-    per_token = lse - (1.0 - eps) * target + z_loss * lse.square()
-    if eps > 0:  # skipped at 0 so that -inf logits (a masked vocabulary) give no 0 * inf
-        per_token = per_token - eps * z.mean(dim=-1)
+    label_weight = None
+    if weight is None:
+        per_token = lse - (1.0 - eps) * target + z_loss * lse.square()
+        if eps > 0:  # skipped at 0 so that -inf logits (a masked vocabulary) give no 0 * inf
+            per_token = per_token - eps * z.mean(dim=-1)
+    else:
+        class_weight = weight.detach().to(z.dtype)
+        label_weight = class_weight[torch.where(valid, labels, 0).long()]
+        per_token = (1.0 - eps) * label_weight * (lse - target) + z_loss * lse.square()
+        if eps > 0:
+            smoothed = lse * class_weight.sum() - (z * class_weight).sum(dim=-1)
+            per_token = per_token + eps / vocab * smoothed
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     per_token = torch.where(valid, per_token, zero)
     z_term = torch.where(valid, z_loss * lse.detach().square(), zero)
@@ -148,6 +177,9 @@ def cross_entropy(
     else:
         if num_items is not None:
             denominator = torch.as_tensor(num_items, dtype=z.dtype, device=z.device).reshape(())
+        elif reduction == "mean" and label_weight is not None:
+            total = torch.where(valid, label_weight, zero).sum()
+            denominator = torch.where(total == 0, 1.0, total)
         elif reduction == "mean":
             denominator = valid.sum().clamp_min(1).to(z.dtype)
         else:
