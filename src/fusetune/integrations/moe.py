@@ -59,18 +59,32 @@ def _param_wrapper_type():
     return ParamWrapper
 
 
-def _activation(base: nn.Module) -> str | None:
-    """ "swiglu" or "gpt_oss" when the module's gate is one moe_mlp computes, else None."""
-    from transformers.integrations.moe import _default_apply_gate
+def _is_gpt_oss(base: nn.Module) -> bool:
+    return type(base).__name__ == "GptOssExperts"
 
+
+def _activation(base: nn.Module) -> str | None:
+    """The activation ("swiglu" or "gpt_oss") when the module's gate is one moe_mlp computes,
+    else None. A class's own ``_apply_gate`` other than transformers' default (chunk, then
+    act(gate) * up) is trusted for gpt-oss only; a version without ``_apply_gate`` (an older
+    5.x) chunks in its forward."""
+    if _is_gpt_oss(base):
+        return "gpt_oss" if hasattr(base, "alpha") and hasattr(base, "limit") else None
     apply_gate = getattr(type(base), "_apply_gate", None)
-    if apply_gate is _default_apply_gate:
-        act = getattr(base, "act_fn", None)
-        silu = type(act).__name__ in ("SiLUActivation", "SiLU") or isinstance(act, nn.SiLU)
-        return "swiglu" if silu else None
-    if type(base).__name__ == "GptOssExperts" and hasattr(base, "alpha"):
-        return "gpt_oss"
-    return None
+    if apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
+        return None
+    act = getattr(base, "act_fn", None)
+    silu = type(act).__name__ in ("SiLUActivation", "SiLU") or isinstance(act, nn.SiLU)
+    return "swiglu" if silu else None
+
+
+def _transposed(base: nn.Module) -> bool:
+    """Weights stored (in, out): transformers' flag, else gpt-oss's known layout."""
+    return bool(getattr(base, "is_transposed", _is_gpt_oss(base)))
+
+
+def _interleaved(base: nn.Module) -> bool:
+    return not getattr(base, "is_concatenated", not _is_gpt_oss(base))
 
 
 def _routable(base: nn.Module) -> str | None:
@@ -79,12 +93,12 @@ def _routable(base: nn.Module) -> str | None:
     down = getattr(base, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return None
-    if gate_up.dim() != 3 or down.dim() != 3 or not getattr(base, "has_gate", False):
+    if gate_up.dim() != 3 or down.dim() != 3 or not getattr(base, "has_gate", True):
         return None
-    if getattr(base, "has_post_expert_norm", False) or getattr(base, "_is_expert_parallel", True):
+    if getattr(base, "has_post_expert_norm", False) or getattr(base, "_is_expert_parallel", False):
         return None
-    has_bias = getattr(base, "has_bias", False)
-    if has_bias != (getattr(base, "gate_up_proj_bias", None) is not None):
+    biases = [getattr(base, name, None) for name in ("gate_up_proj_bias", "down_proj_bias")]
+    if (biases[0] is None) != (biases[1] is None):
         return None
     return _activation(base)
 
@@ -191,8 +205,8 @@ def _routed_forward(self, spec, hidden_states, top_k_index, top_k_weights):
         gate_up_bias=getattr(base, "gate_up_proj_bias", None),
         down_bias=getattr(base, "down_proj_bias", None),
         lora=lora,
-        transposed=bool(getattr(base, "is_transposed", False)),
-        interleaved=not getattr(base, "is_concatenated", True),
+        transposed=_transposed(base),
+        interleaved=_interleaved(base),
         alpha=float(getattr(base, "alpha", 1.702)),
         limit=float(getattr(base, "limit", 7.0)),
     )
