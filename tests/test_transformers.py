@@ -20,6 +20,7 @@ import torch
 
 import fusetune
 from fusetune.integrations import _transformers_forwards as forwards
+from fusetune.integrations import peft as peft_integration
 from fusetune.integrations import transformers as integration
 from harness import DEVICE, ON_GPU, assert_close, relative_error
 
@@ -42,6 +43,8 @@ FP32_UPDATE_TOL = 1e-3  # per parameter tensor, relative error of (final - initi
 # Gemma 4's per-layer embeddings amplify fp32 rounding: one step's gradients agree within
 # 1e-5 relative (every parameter, fused norms / GLU vs transformers'), its updates after 3
 # AdamW steps within 2.5e-3 to 1.2e-2 from run to run (measured on the CPU).
+# Over the GPU pass's 30 steps its per-step losses drift to 6.3e-5 (H100).
+LOSS_TOL = {"gemma4": 2e-4}
 # The Gated DeltaNet layers likewise: gradients within 5e-6 (dt_bias, A_log), updates 1.5e-3.
 UPDATE_TOL = {"gemma4": 2e-2, "qwen3_5": 5e-3, "qwen3_next": 5e-3, "qwen3_5_moe": 5e-3}
 
@@ -255,7 +258,8 @@ def test_training_matches_transformers_fp32(family, fused_calls):
     routed = model.__dict__[integration._STATE].routed
     assert routed == {"gated_delta": 0, "experts": 0, **ROUTED.get(family, {})}
     got = train(model, batches)
-    assert_same_training(got, want, update_tol=UPDATE_TOL.get(family, FP32_UPDATE_TOL))
+    loss_tol = LOSS_TOL.get(family, FP32_LOSS_TOL)
+    assert_same_training(got, want, loss_tol, UPDATE_TOL.get(family, FP32_UPDATE_TOL))
     assert fused_calls == {k: STEPS * n for k, n in expected_calls(family).items()}
     fusetune.revert(model)
 
@@ -300,7 +304,7 @@ def lora_model(family: str, **overrides):
     return model
 
 
-LORA_FAMILIES = FAMILIES if ON_GPU else ("llama", "gemma2")
+LORA_FAMILIES = FAMILIES if ON_GPU else ("llama", "gemma2", "phi3", "mixtral", "qwen3_next")
 
 
 @pytest.mark.parametrize("family", LORA_FAMILIES)
@@ -311,9 +315,11 @@ def test_peft_lora_training_matches(family):
     batches = make_batches(STEPS)
     want = train(copy.deepcopy(model), batches)
     fusetune.apply(model)
-    names = integration.patched(model)
-    assert any(n.endswith("self_attn.q_proj") for n in names), names
-    assert any(n.endswith("mlp") for n in names), names
+    routed = [n for n in integration.patched(model) if n]
+    lora_layers = [n for n, m in model.named_modules() if peft_integration.is_lora_layer(m)]
+    # every LoRA layer on fusetune's path: its own forward, or its MLP's fused one
+    missed = [n for n in lora_layers if not any(n == r or n.startswith(f"{r}.") for r in routed)]
+    assert lora_layers and not missed, missed
     got = train(model, batches)
     assert_same_training(got, want)
     fusetune.revert(model)
