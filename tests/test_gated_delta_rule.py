@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fusetune
 import harness
-from fusetune.ops.linear_attention import gdr_recurrent
+from fusetune.ops.linear_attention import gdr_chunk, gdr_recurrent
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_op
 from harness import DEVICE, ON_GPU, assert_close, assert_raises, check_op, matrix, uses_kernels
 
@@ -155,6 +155,15 @@ def test_several_value_blocks(monkeypatch, algo):
         batch=1, seq_len=10 if algo == "recurrent" else 20, key_dim=32, value_dim=40
     )
     run_check(inputs, torch.float32, algo)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunks_of_64(monkeypatch, dtype):
+    """The GPU's chunk size under the interpreter: (I + A)^-1 from four 16-row blocks (the
+    blocked inverse and its N^2, N^3 terms), 70 tokens = a full chunk and a partial one."""
+    monkeypatch.setattr(gdr_chunk, "INTERPRET_CHUNK", 64)
+    inputs = make_inputs(batch=1, seq_len=70, unit_keys=False)
+    run_check(inputs, dtype, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
 @pytest.mark.parametrize("algo", ALGOS)

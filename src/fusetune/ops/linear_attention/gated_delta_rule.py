@@ -108,12 +108,14 @@ class _ChunkRun:
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
 
-    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
-        """W, U, G per chunk, then every chunk's start state and writes D (and hT)."""
+    def states(self, plan, k, v, g, beta, h0, hT, cu_arg, t_buf=None) -> None:
+        """W, U, g per chunk (and (I + A)^-1 into ``t_buf``), then every chunk's start state and
+        writes D (and hT)."""
         gdr_chunk.wy_kernel[self.chunk_grid](
-            k, g, beta, v, self.w_buf, self.u_buf, self.gc_buf, cu_arg, *bth_strides(k),
-            *g.stride(), *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads,
-            BVA=self.bva, **self.wide,
+            k, g, beta, v, self.w_buf, self.u_buf, self.gc_buf,
+            self.w_buf if t_buf is None else t_buf, cu_arg, *bth_strides(k), *g.stride(),
+            *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads, BVA=self.bva,
+            STORE_T=t_buf is not None, **self.wide,
         )
         gdr_chunk.states_kernel[self.column_grid](
             k, self.w_buf, self.u_buf, self.gc_buf, self.d_buf, self.h_buf,
@@ -155,8 +157,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
     run = _ChunkRun(plan, v)
     cu_arg = dv if cu is None else cu
-    run.states(plan, k, v, g, beta, h0, None, cu_arg)
-    del run.u_buf
+    t_buf = _utils.empty((*rows, run.bt), f32, device)
+    run.states(plan, k, v, g, beta, h0, None, cu_arg, t_buf)
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
     dh_buf = _utils.empty(run.state_shape, f32, device)
     gdr_chunk.dstates_kernel[run.column_grid](
@@ -165,9 +167,9 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         plan.value_heads, BV=run.bv, HAS_DHT=dhT is not None, **run.common,
     )
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
-        q, k, v, beta, do, run.gc_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf, dk_buf, dv,
-        dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v),
-        *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
+        q, k, v, beta, do, run.gc_buf, run.w_buf, run.u_buf, t_buf, run.d_buf, dd_buf, run.h_buf,
+        dh_buf, dq_buf, dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
+        *bth_strides(v), *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
         plan.value_heads, BVA=run.bva, **run.wide,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0

@@ -15,14 +15,23 @@ Products run in fp32 (``DOT``: the launcher asks for IEEE always); exp arguments
 
 from __future__ import annotations
 
+import os
+
 from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention._common import sequence_bounds
 
+INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
+
 
 def chunk_size(interpreting: bool) -> int:
-    """64 on the GPU; 16 under the interpreter, so that the tests' short sequences cross
-    several chunks."""
-    return 16 if interpreting else 64
+    """64 on the GPU (``FUSETUNE_GDR_CHUNK=16|32|64`` overrides it, for measuring); 16 under
+    the interpreter, so that the tests' short sequences cross several chunks."""
+    if interpreting:
+        return INTERPRET_CHUNK
+    size = int(os.environ.get("FUSETUNE_GDR_CHUNK", "64"))
+    if size not in (16, 32, 64):
+        raise ValueError(f"FUSETUNE_GDR_CHUNK must be 16, 32 or 64, got {size}")
+    return size
 
 
 @triton.jit
@@ -87,11 +96,40 @@ def _tail(g, r):
 
 
 @triton.jit
+def _unit_lower_inverse(A, r, BT: tl.constexpr):
+    """(I + A)^-1 for a strictly lower [BT, BT] A, in 16-row blocks: forward substitution inside
+    the diagonal blocks (all blocks at once, 15 steps, each one matmul: row p of every block is
+    e_p - A_p T, its earlier rows final), then the off-diagonal blocks through
+    (D + L)^-1 = (I - N + N^2 - N^3) D^-1 with D = I + A's diagonal blocks, N = D^-1 L
+    (block strictly lower, so N^4 = 0 for four blocks)."""
+    same_block = (r[:, None] // 16) == (r[None, :] // 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    A_diag = tl.where(same_block, A, 0.0)
+    Dinv = eye
+    for p in range(1, 16):
+        step = eye - tl.dot(A_diag, Dinv, input_precision="ieee")
+        Dinv = tl.where((r % 16 == p)[:, None], step, Dinv)
+    result = Dinv
+    if BT > 16:
+        N = tl.dot(Dinv, tl.where(same_block, 0.0, A), input_precision="ieee")
+        series = eye - N
+        power = N
+        for j in tl.static_range(2, BT // 16):  # + N^2 - N^3 ...
+            power = tl.dot(power, N, input_precision="ieee")
+            if j % 2 == 0:
+                series = series + power
+            else:
+                series = series - power
+        result = tl.dot(series, Dinv, input_precision="ieee")
+    return result
+
+
+@triton.jit
 def wy_kernel(
-    k, g, beta, v, w_buf, u_buf, gc_buf, cu,
+    k, g, beta, v, w_buf, u_buf, gc_buf, t_buf, cu,
     sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, sv_b, sv_t, sv_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr,
-    VARLEN: tl.constexpr, DOT: tl.constexpr,
+    VARLEN: tl.constexpr, DOT: tl.constexpr, STORE_T: tl.constexpr,
 ):
     """W [T, HV, K], U [T, HV, V] and the floored gates g [T, HV] for the other kernels (fp32,
     rows of the contiguous buffers r = (b * T + t) * HV + h)."""
@@ -112,18 +150,15 @@ def wy_kernel(
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     r = tl.arange(0, BT)
     A = bc[:, None] * mm(kc, tl.trans(kc), DOT) * _decays(gq, r, True)
-    # T = (I + A)^-1 by forward substitution, one row at a time: T_i = e_i - A_i T.
-    Tinv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # row i of A
-        t_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
-        Tinv = tl.where(r[:, None] == i, t_i[None, :], Tinv)
+    Tinv = _unit_lower_inverse(A, r, BT)
     W = mm(Tinv, (bc * tl.exp(gc))[:, None] * kc, DOT)
     U = mm(Tinv, bc[:, None] * vc, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(w_buf + out_rows[:, None] * K + ck[None, :], W, mask=mt[:, None] & mk[None, :])
     tl.store(u_buf + out_rows[:, None] * V + cv[None, :], U, mask=mt[:, None] & mv[None, :])
     tl.store(gc_buf + out_rows, gq, mask=mt)
+    if STORE_T:  # for the backward: (I + A)^-1 [T, HV, BT]
+        tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
 
 
 @triton.jit
@@ -267,8 +302,8 @@ def dstates_kernel(
 
 @triton.jit
 def bwd_chunk_kernel(
-    q, k, v, beta, do, gc_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf, dv, dbeta_buf,
-    dg_buf, cu,
+    q, k, v, beta, do, gc_buf, w_buf, u_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
+    dv, dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
@@ -307,17 +342,13 @@ def bwd_chunk_kernel(
     eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
     gamma = _decays(gq, r, False)
     gamma_lower = _decays(gq, r, True)
-    # WY again: A, T = (I + A)^-1, W = T (beta e^G K), U = T (beta V).
+    # The WY pieces the forward's recompute kept: T = (I + A)^-1, W = T (beta e^G K), U = T beta V.
     KK = mm(kc, tl.trans(kc), DOT)
     A = bc[:, None] * KK * gamma_lower
-    Tinv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)
-        t_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
-        Tinv = tl.where(r[:, None] == i, t_i[None, :], Tinv)
+    Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
     kb = (bc * eg)[:, None] * kc
-    Wc = mm(Tinv, kb, DOT)
-    Uc = mm(Tinv, bc[:, None] * vc, DOT)
+    Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
+    Uc = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
     # O = (e^G Q) S0 + P D, P = (Q K^T) * Gamma.
     dQe = mm(dOc, tl.trans(S0), DOT)
     QK = mm(qc, tl.trans(kc), DOT)
