@@ -390,6 +390,8 @@ def tiny_qwen3_5(seed=0):
     """A 2-layer Qwen3.5 text model (one Gated DeltaNet layer, one attention layer), fp32, with
     two value heads a key head as the real models have."""
     transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5")
     config = transformers.Qwen3_5TextConfig(
         vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16,

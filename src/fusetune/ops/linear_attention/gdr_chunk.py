@@ -212,13 +212,14 @@ def output_kernel(
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
-    """O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma) D] for one chunk and value head."""
+    """O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma) D] for one chunk, value head and block of
+    BVA value columns (program axis 2)."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
     rows = start + tl.arange(0, BT)
     mt = rows < end
-    ck, cv = tl.arange(0, BK), tl.arange(0, BVA)
+    ck, cv = tl.arange(0, BK), tl.program_id(2) * BVA + tl.arange(0, BVA)
     mk, mv = ck < K, cv < V
     i_hk = i_h // GROUP
     qc = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
