@@ -499,12 +499,18 @@ def test_module():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="host-device syncs exist only with a GPU")
-def test_no_host_device_sync():
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "sapo", "vespo"])
+def test_no_host_device_sync(loss_type):
     inputs = make_inputs(4, 64, 64, 1000)
     args = {k: v.to("cuda") for k, v in inputs.items()}
     args["hidden"] = args["hidden"].bfloat16().requires_grad_()
     args["weight"] = args["weight"].bfloat16().requires_grad_()
-    options = dict(beta=0.04, loss_type="dapo", num_items_in_batch=torch.tensor(100).cuda())
+    options = dict(
+        beta=0.04,
+        loss_type=loss_type,
+        num_items_in_batch=torch.tensor(100).cuda(),
+        use_bias_correction_kl=True,
+    )
     fusetune.grpo_loss(**args, **options)[0].backward()  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

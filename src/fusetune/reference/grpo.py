@@ -338,9 +338,10 @@ def vespo_weights(
 
 
 def _pick(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor):
-    """torch.where of two numbers in ``like``'s dtype (TRL's Python scalars would give the
-    default dtype, float32, whatever the log-probs' dtype)."""
-    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+    """torch.where of two numbers in ``like``'s dtype and shape (TRL's torch.where of Python
+    scalars gives the default dtype, float32, whatever the log-probs' dtype), filled on the
+    device: no host-to-device copy."""
+    return torch.full_like(like, if_false).masked_fill(condition, if_true)
 
 
 def sapo_temperatures(advantage: torch.Tensor, options: LossOptions) -> torch.Tensor:
@@ -497,7 +498,7 @@ def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
     nan = values.isnan()
     filled = values.masked_fill(nan, -math.inf if largest else math.inf)
     extreme = filled.max() if largest else filled.min()
-    return torch.where(nan.all(), values.new_tensor(math.nan), extreme)
+    return torch.where(nan.all(), math.nan, extreme)
 
 
 def metrics_from_logps(
