@@ -148,9 +148,11 @@ def test_l2norm_and_groups(algo, dtype):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_several_value_blocks(monkeypatch, algo):
-    """V = 40 in blocks of 16 (three programs a head, the last one partial): the recurrent
-    kernels' per-block partial sums add up; the chunk states walk each block alone."""
+    """V = 40 in blocks of 16 (three programs a head, the last one partial): the per-block
+    partial sums of dq, dk, dbeta and dg add up (both modes); the chunk states and outputs
+    walk each block alone."""
     monkeypatch.setattr(gdr_recurrent, "MAX_BV_INTERPRET", 16)
+    monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
     inputs = make_inputs(
         batch=1, seq_len=10 if algo == "recurrent" else 20, key_dim=32, value_dim=40
     )

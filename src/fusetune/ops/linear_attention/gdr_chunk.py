@@ -21,6 +21,7 @@ from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention._common import sequence_bounds
 
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
+BWD_BLOCK_V = 64  # value columns a program of bwd_chunk_kernel (tests lower it)
 
 
 def chunk_size(interpreting: bool) -> int:
@@ -307,18 +308,21 @@ def bwd_chunk_kernel(
     dv, dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
-    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    scale, T, HV, NVB, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
-    """Every input gradient of one chunk and value head (dq, dk per value head in fp32; dv;
-    dbeta, dg in fp32), from S0, dS (after the chunk), D and dD."""
+    """Every input gradient of one chunk, value head and block of BVA value columns (program
+    axis 2), from S0, dS (after the chunk), D and dD: dv; and, since every term of the others
+    is linear in one sum over value columns, this block's fp32 share of dq, dk (per value head),
+    dbeta and dg [.., NVB, ..], summed on the host."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
+    i_v = tl.program_id(2)
     r = tl.arange(0, BT)
     rows = start + r
     mt = rows < end
-    ck, cv = tl.arange(0, BK), tl.arange(0, BVA)
+    ck, cv = tl.arange(0, BK), i_v * BVA + tl.arange(0, BVA)
     mk, mv = ck < K, cv < V
     mtk, mtv = mt[:, None] & mk[None, :], mt[:, None] & mv[None, :]
     i_hk = i_h // GROUP
@@ -384,10 +388,10 @@ def bwd_chunk_kernel(
     tail = tl.sum(kc * eg_end[:, None] * dKd, axis=1)  # e^{G_last - G_s}: s < u
     dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
     dg += tl.sum(tl.sum(dS * S0, axis=1), axis=0) * tl.exp(g_last)  # e^{G_last} S0: every u
-    out_k = buf_rows[:, None] * K + ck[None, :]
+    out_k = (buf_rows[:, None] * NVB + i_v) * K + ck[None, :]
     tl.store(dq_buf + out_k, dq * scale, mask=mtk)
     tl.store(dk_buf + out_k, dk, mask=mtk)
     tl.store(dv + i_b * sdv_b + i_h * sdv_h + rows[:, None] * sdv_t + cv[None, :],
              dvc.to(dv.dtype.element_ty), mask=mtv)
-    tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
-    tl.store(dg_buf + buf_rows, dg, mask=mt)
+    tl.store(dbeta_buf + buf_rows * NVB + i_v, dbeta, mask=mt)
+    tl.store(dg_buf + buf_rows * NVB + i_v, dg, mask=mt)
