@@ -149,16 +149,13 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
     gradients and dD, then every input gradient per chunk."""
     device, f32 = v.device, torch.float32
     rows = (plan.batch, plan.seq_len, plan.value_heads)
-    block = min(max(16, _utils.next_power_of_2(plan.value_dim)), gdr_chunk.BWD_BLOCK_V)
-    nvb = _utils.cdiv(plan.value_dim, block)
-    dq_buf, dk_buf = (_utils.empty((*rows, nvb, plan.key_dim), f32, device) for _ in range(2))
-    dbeta_buf, dg_buf = (_utils.empty((*rows, nvb), f32, device) for _ in range(2))
+    dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), f32, device) for _ in range(2))
+    dbeta_buf, dg_buf = (_utils.empty(rows, f32, device) for _ in range(2))
     dv = _utils.empty(v.shape, v.dtype, device)
     dh0 = _utils.empty(plan.state_shape, f32, device)
     if plan.empty():
         dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
-        dq_buf, dk_buf, dg_buf, dbeta_buf = (x.zero_() for x in (dq_buf, dk_buf, dg_buf, dbeta_buf))
-        return (dq_buf.sum(3), dk_buf.sum(3), dv, dg_buf.sum(-1), dbeta_buf.sum(-1), dh0)
+        return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
     run = _ChunkRun(plan, v)
     cu_arg = dv if cu is None else cu
     t_buf = _utils.empty((*rows, run.bt), f32, device)
@@ -170,13 +167,14 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
         plan.value_heads, BV=run.bv, HAS_DHT=dhT is not None, **run.common,
     )
-    gdr_chunk.bwd_chunk_kernel[(*run.chunk_grid, nvb)](
+    block = min(max(16, _utils.next_power_of_2(plan.value_dim)), gdr_chunk.BWD_BLOCK_V)
+    gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
         q, k, v, beta, do, run.gc_buf, run.w_buf, run.u_buf, t_buf, run.d_buf, dd_buf, run.h_buf,
         dh_buf, dq_buf, dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
         *bth_strides(v), *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
-        plan.value_heads, nvb, BVA=block, **run.wide,
+        plan.value_heads, BVA=block, **run.wide,
     )
-    return dq_buf.sum(3), dk_buf.sum(3), dv, dg_buf.sum(-1), dbeta_buf.sum(-1), dh0
+    return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 
 
 def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
