@@ -70,7 +70,11 @@ _LINEAR_ATTENTION = dict(  # Qwen3.5 / Qwen3-Next: one Gated DeltaNet layer, one
     linear_key_head_dim=8,
     linear_value_head_dim=8,
 )
-_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+# output_router_logits: the loss includes the router's load-balancing loss
+_EXPERTS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True
+)
+_LOCAL_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
 FAMILY_CONFIG = {
     "gemma2": dict(
         final_logit_softcapping=2.0,
@@ -88,16 +92,15 @@ FAMILY_CONFIG = {
         residual_multiplier=0.5,
         attention_multiplier=0.1,
     ),
-    "granitemoe": dict(logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(logits_scaling=4.0, **_LOCAL_EXPERTS),
     "qwen3_5": dict(**_LINEAR_ATTENTION),
     "qwen3_next": dict(**_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=16),
     "qwen3_5_moe": dict(**_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=16),
     "qwen3_moe": dict(**_EXPERTS, mlp_only_layers=[0]),
     "qwen2_moe": dict(**_EXPERTS, shared_expert_intermediate_size=16, mlp_only_layers=[0]),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": _LOCAL_EXPERTS,
     "gpt_oss": dict(
-        num_local_experts=4,
-        num_experts_per_tok=2,
+        **_LOCAL_EXPERTS,
         layer_types=["sliding_attention", "full_attention"],
         **_SLIDING,
     ),
@@ -142,9 +145,21 @@ ROUTED = {
 }
 
 
+# Llama-like decoder layers: the attention's residual add fuses into the post-attention norm
+# (one add_rms_norm instead of an rms_norm per layer).
+FUSED_RESIDUAL = {
+    "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "smollm3", "helium",
+    "hunyuan_v1_dense", "glm", "gemma", "qwen2_moe", "qwen3_moe",
+}  # fmt: skip
+
+
 def expected_calls(family: str, layers: int = LAYERS) -> dict[str, int]:
     calls = {"rms_norm": 2 * layers + 1, "rope": layers, "glu": layers, "linear_cross_entropy": 1}
-    return {**calls, **(CALLS.get(family, {}) if layers == LAYERS else {})}
+    calls = {**calls, **(CALLS.get(family, {}) if layers == LAYERS else {}), "add_rms_norm": 0}
+    if family in FUSED_RESIDUAL:
+        calls["rms_norm"] -= layers
+        calls["add_rms_norm"] = layers
+    return calls
 
 
 # eager attention: what Gemma trains with; gpt-oss's sinks
@@ -213,8 +228,8 @@ def counting(counts: dict[str, int], name: str, function):
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the fused ops the patched forwards call (they look them up at call time)."""
-    counts = dict.fromkeys(["rms_norm", "rope", "glu", "linear_cross_entropy"], 0)
-    for name in ("rms_norm", "rope", "linear_cross_entropy"):
+    counts = dict.fromkeys(["rms_norm", "add_rms_norm", "rope", "glu", "linear_cross_entropy"], 0)
+    for name in ("rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"):
         monkeypatch.setattr(forwards, name, counting(counts, name, getattr(forwards, name)))
     glu_ops = {kind: counting(counts, "glu", op) for kind, op in forwards.GLU_OPS.items()}
     monkeypatch.setattr(forwards, "GLU_OPS", glu_ops)

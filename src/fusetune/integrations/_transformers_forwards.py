@@ -16,7 +16,7 @@ import torch
 
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
-from fusetune.ops.rms_norm import rms_norm
+from fusetune.ops.rms_norm import add_rms_norm, rms_norm
 from fusetune.ops.rope import rope
 
 
@@ -182,6 +182,53 @@ def rms_norm_forward(family: Family, original: Callable) -> Callable:
             return original(self, hidden_states)
         eps = getattr(self, eps_name)
         return rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
+
+    return forward
+
+
+# ----------------------------------------------------------------------------- decoder layer
+
+
+@functools.cache
+def _source_lines(function: Callable) -> tuple[str, ...]:
+    """A function's code lines, stripped, without blank lines and comments."""
+    lines = (line.strip() for line in inspect.getsource(function).splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
+
+
+def llama_like_layer(layer_class: type | None) -> bool:
+    """The decoder layer's forward is, line for line, LlamaDecoderLayer's of the same
+    transformers (pre-norm: norm, attention, residual add, norm, MLP, residual add); checked
+    from the source, so a family whose layer changes in a release is simply not fused."""
+    if layer_class is None:
+        return False
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    try:
+        return _source_lines(layer_class.forward) == _source_lines(LlamaDecoderLayer.forward)
+    except (OSError, TypeError):  # no source (a frozen or compiled build)
+        return False
+
+
+def decoder_layer_forward(family: Family, original: Callable) -> Callable:
+    """A Llama-like decoder layer's forward with the attention's residual add fused into the
+    post-attention RMSNorm (:func:`fusetune.add_rms_norm`: one pass writes the sum and its
+    norm; the backward adds the two gradients in the same pass). The call's keywords go to
+    the attention as the original passes them; positional extras go to ``original``."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        norm = self.post_attention_layernorm
+        if args or getattr(norm, "weight", None) is None:
+            return original(self, hidden_states, *args, **kwargs)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        eps = getattr(norm, family.norm_eps)
+        hidden_states, residual = add_rms_norm(
+            hidden_states, residual, norm.weight, eps,
+            offset=family.norm_offset, casting=family.norm_casting,
+        )  # fmt: skip
+        return residual + self.mlp(hidden_states)
 
     return forward
 
@@ -377,7 +424,11 @@ def causal_lm_forward(family: Family, original: Callable) -> Callable:
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
     ]
 
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    # mixtures of experts: the router's load-balancing loss is added as transformers adds it
+    routed = "output_router_logits" in names
+    output_class = MoeCausalLMOutputWithPast if routed else CausalLMOutputWithPast
 
     keep_positions = _keep_positions_function()
 
@@ -395,7 +446,7 @@ def causal_lm_forward(family: Family, original: Callable) -> Callable:
             _warn_fallback(self, reason)
             return original(self, **kwargs)
         return _fused_loss_forward(
-            family, self, head, inside, keep_positions, CausalLMOutputWithPast, **kwargs
+            family, self, head, inside, keep_positions, output_class, **kwargs
         )
 
     return forward
@@ -425,7 +476,15 @@ def _fused_loss_forward(
     """The causal-LM forward of transformers 5.x with ForCausalLMLoss replaced by the fused
     loss. Like transformers, every other keyword goes to the base model and to the loss
     (num_items_in_batch: sum / num_items for gradient accumulation; shift_labels: labels
-    already shifted; ignore_index)."""
+    already shifted; ignore_index). A mixture of experts' ``output_router_logits`` (the
+    keyword, else its config) adds the router's load-balancing loss times
+    ``router_aux_loss_coef``, with transformers' own function."""
+    routed_aux = False
+    if output_class.__name__.startswith("Moe"):
+        routed_aux = kwargs.get("output_router_logits")
+        if routed_aux is None:
+            routed_aux = getattr(model.config, "output_router_logits", False)
+        kwargs["output_router_logits"] = routed_aux
     outputs = getattr(model, model.base_model_prefix)(**kwargs)
     hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
     shift_labels = kwargs.get("shift_labels")
@@ -447,12 +506,25 @@ def _fused_loss_forward(
         )
 
     loss = run_inside(head, loss_of, hidden) if inside else loss_of(hidden)
+    extra = {}
+    if output_class.__name__.startswith("Moe"):
+        extra = dict(router_logits=outputs.router_logits, aux_loss=None)
+        if routed_aux:
+            aux = family.modeling.load_balancing_loss_func(
+                outputs.router_logits,
+                model.num_experts,
+                model.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
+            loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+            extra["aux_loss"] = aux
     output = output_class(
         loss=loss,
         logits=None,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
+        **extra,
     )
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)

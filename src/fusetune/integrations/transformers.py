@@ -50,7 +50,9 @@ from fusetune.integrations._transformers_forwards import (
     Family,
     activation_module,
     causal_lm_forward,
+    decoder_layer_forward,
     glu_of,
+    llama_like_layer,
     mlp_forward,
     rms_norm_forward,
     rope_function,
@@ -235,10 +237,20 @@ def _set_class_attribute(family: Family, owner: type, name: str, value: object) 
     setattr(owner, name, value)
 
 
+def _fused_residual_layer(family: Family, options: dict[str, bool]) -> type | None:
+    """The family's decoder-layer class when its residual add fuses into the norm after it."""
+    layer = family.attribute("DecoderLayer")
+    fusable = options["rms_norm"] and family.norm_casting and llama_like_layer(layer)
+    return layer if fusable else None
+
+
 def _apply_to_classes(family: Family, options: dict[str, bool]) -> None:
     norm, mlp, lm = (family.part(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
     if options["rms_norm"] and family.norm_casting and norm is not None:
         _set_class_attribute(family, norm, "forward", rms_norm_forward(family, norm.forward))
+    layer = _fused_residual_layer(family, options)
+    if layer is not None:
+        _set_class_attribute(family, layer, "forward", decoder_layer_forward(family, layer.forward))
     if options["mlp"] and mlp is not None:
         _set_class_attribute(family, mlp, "forward", mlp_forward(family, mlp.forward))
     if options["linear_cross_entropy"] and lm is not None:
@@ -302,11 +314,14 @@ def _instance_forward(module: torch.nn.Module) -> Callable:
 def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str, bool]) -> None:
     norm, mlp, lm = (family.part(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
     state = model.__dict__.get(_STATE) or _State(family.model_type)
+    layer = _fused_residual_layer(family, options)
     for module in model.modules():
         if hasattr(module, peft_integration._PATCH):
             continue  # already on fusetune's LoRA path
         if options["rms_norm"] and family.norm_casting and norm and isinstance(module, norm):
             _install(module, functools.partial(rms_norm_forward, family))
+        elif layer is not None and isinstance(module, layer):
+            _install(module, functools.partial(decoder_layer_forward, family))
         elif options["mlp"] and mlp and isinstance(module, mlp) and _glu_matches(family, module):
             _install(module, functools.partial(mlp_forward, family))
     if options["linear_cross_entropy"] and lm is not None and isinstance(model, lm):
