@@ -101,7 +101,8 @@ class _ChunkRun:
         # on the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on
         # dg in fp16 (issue 20, item 4). The chunk kernels' FLOPs are small enough to afford it.
         self.common = dict(GROUP=plan.group, K=plan.key_dim, V=plan.value_dim, BT=self.bt,
-                           BK=plan.BK, VARLEN=plan.varlen, DOT=2, num_warps=4)
+                           BK=plan.BK, VARLEN=plan.varlen, DOT=gdr_chunk.dot_mode(),
+                           num_warps=4)
         # The per-chunk kernels hold [K, V] states and many [BT, V] tiles: more warps, fewer
         # registers a thread.
         self.wide = dict(self.common, num_warps=8)

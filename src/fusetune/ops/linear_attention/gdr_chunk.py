@@ -35,11 +35,22 @@ def chunk_size(interpreting: bool) -> int:
     return size
 
 
+def dot_mode() -> int:
+    """The products' precision: IEEE fp32 (2), or ``FUSETUNE_GDR_DOT=tf32x3`` (3: three tf32
+    tensor-core products, about fp32's accuracy) for measuring; tf32 alone (1) is not offered."""
+    mode = os.environ.get("FUSETUNE_GDR_DOT", "ieee")
+    if mode not in ("ieee", "tf32x3"):
+        raise ValueError(f"FUSETUNE_GDR_DOT must be ieee or tf32x3, got {mode!r}")
+    return 2 if mode == "ieee" else 3
+
+
 @triton.jit
 def mm(a, b, DOT: tl.constexpr):
-    """fp32 ``a @ b``: IEEE for fp32 inputs (DOT == 2), tf32 otherwise."""
+    """fp32 ``a @ b``: IEEE (DOT == 2), 3xTF32 (3) or tf32 (1)."""
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT == 3:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
 
