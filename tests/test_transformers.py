@@ -491,7 +491,12 @@ def test_revert_keeps_a_wrapper_set_after_apply():
 
 def test_class_level_patching_before_construction(fused_calls):
     modeling = transformers.models.llama.modeling_llama
-    classes = (modeling.LlamaRMSNorm, modeling.LlamaMLP, modeling.LlamaForCausalLM)
+    classes = (
+        modeling.LlamaRMSNorm,
+        modeling.LlamaMLP,
+        modeling.LlamaForCausalLM,
+        modeling.LlamaDecoderLayer,
+    )
     originals = [cls.__dict__["forward"] for cls in classes]
     rope_before = modeling.apply_rotary_pos_emb
     batches = make_batches(1)
@@ -499,6 +504,7 @@ def test_class_level_patching_before_construction(fused_calls):
 
     assert fusetune.apply("llama") == "llama"
     patched_names = [
+        "LlamaDecoderLayer.forward",
         "LlamaForCausalLM.forward",
         "LlamaMLP.forward",
         "LlamaRMSNorm.forward",

@@ -8,9 +8,11 @@
 
 What is routed, per family (``SUPPORTED_FAMILIES``; transformers 5.x):
 
-- ``rms_norm``: every RMSNorm module (decoder norms, the final norm, Qwen3's q_norm / k_norm)
-  -> :func:`fusetune.rms_norm`, casting "llama" (Llama, Mistral, Qwen2, Qwen3) or "gemma"
-  (Gemma 2: fp32 with 1 + weight). Cohere normalises with LayerNorm: left to transformers.
+- ``rms_norm``: every RMSNorm module (decoder norms, the final norm, q/k norms) ->
+  :func:`fusetune.rms_norm`, with the family's casting ("llama": round, then weight; "gemma":
+  fp32 with 1 + w, or w (OLMo 2, gpt-oss, Gemma 4), rounded once). In a decoder layer that is
+  line for line Llama's, the attention's residual add fuses into the post-attention norm
+  (:func:`fusetune.add_rms_norm`). Cohere normalises with LayerNorm: left to transformers.
 - ``rope``: the family's ``apply_rotary_pos_emb`` -> :func:`fusetune.rope` (interleaved pairs
   for Cohere). It is a module-level function in transformers, so patching an instance replaces
   it for the whole family while any patched model (or a class-level patch) of that family is
@@ -19,12 +21,16 @@ What is routed, per family (``SUPPORTED_FAMILIES``; transformers 5.x):
   gelu_pytorch_tanh is geglu "tanh"); other activations keep transformers' forward.
 - ``linear_cross_entropy``: ``XForCausalLM.forward`` with labels in training computes the loss
   with :func:`fusetune.linear_cross_entropy` from the final hidden states, with the model's own
-  settings (Gemma 2 final_logit_softcapping, Cohere logit_scale, HF's num_items_in_batch for
-  gradient accumulation, shift_labels, ignore_index); ``logits`` is then None. Without labels,
+  settings (Gemma final_logit_softcapping, Cohere logit_scale, Granite logits_scaling, a
+  mixture of experts' router load-balancing loss, HF's num_items_in_batch for gradient
+  accumulation, shift_labels, ignore_index); ``logits`` is then None. Without labels,
   or in eval mode, transformers' forward runs unchanged (logits, logits_to_keep, generation);
   ``skip_logits=True/False`` overrides the choice per call.
 - ``lora``: a PEFT LoRA model's q/k/v, MLP and other LoRA linears ->
   :func:`fusetune.integrations.peft.apply` (fused LoRA ops).
+- ``gated_delta`` / ``experts`` (live models): Qwen3.5 / Qwen3-Next Gated DeltaNet layers ->
+  :func:`fusetune.gated_delta_rule`; experts of Qwen3-MoE, Qwen3.5-MoE, Mixtral, gpt-oss ->
+  :func:`fusetune.moe_mlp`.
 """
 
 from __future__ import annotations
