@@ -377,7 +377,8 @@ class Checkpointing:
 
     def start(self, model, optimizer, scaler, result) -> int:
         """Restore the checkpoint to resume from, if any; the number of steps already done."""
-        clean_partials(self.output) if self.ranks.main else None
+        if self.ranks.main:
+            clean_partials(self.output)
         if self.resume is None:
             return 0
         restore(self.resume, model, optimizer, scaler, self.ranks)

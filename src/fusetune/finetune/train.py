@@ -210,7 +210,8 @@ def _step(
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += loss.detach().float()
     # the stop flag rides with the loss: every rank learns that one was signalled
-    packed = all_sum(torch.stack([total, torch.tensor(float(signum > 0), device=device)]), ranks)
+    flag = torch.full((), float(signum > 0), device=device)  # a fill: no host-to-device copy
+    packed = all_sum(torch.stack([total, flag]), ranks)
     if scaler is not None:
         scaler.unscale_(optimizer)
     grads = [p.grad for p in state.params if p.grad is not None]
