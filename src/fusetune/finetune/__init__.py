@@ -6,7 +6,11 @@ tokenisation, batches), :mod:`~fusetune.finetune.tokenizers`, :mod:`~fusetune.fi
 (tiny configs, family check), :mod:`~fusetune.finetune.precision`,
 :mod:`~fusetune.finetune.train` (the loop), :mod:`~fusetune.finetune.progress`,
 :mod:`~fusetune.finetune.summary`, :mod:`~fusetune.finetune.output` (all-or-nothing writes),
-:mod:`~fusetune.finetune.command` (the command itself).
+:mod:`~fusetune.finetune.schedule` (learning-rate schedule),
+:mod:`~fusetune.finetune.checkpoint` (atomic checkpoints, resume checks),
+:mod:`~fusetune.finetune.interrupt` (SIGINT / SIGTERM), :mod:`~fusetune.finetune.results` (loss
+curve, --merge), :mod:`~fusetune.finetune.command` (the command itself);
+:mod:`~fusetune.finetune.generate` is ``python -m fusetune generate``.
 """
 
 from fusetune.finetune.command import main
