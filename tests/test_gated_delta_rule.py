@@ -432,7 +432,7 @@ def train_steps(model, batches, lr=0.1):
     return losses, grads
 
 
-GATE_PARAMETERS = ("dt_bias", "A_log", "in_proj_a.weight")
+GATE_PARAMETERS = ("dt_bias", "A_log", "in_proj_a.weight")  # model and layer names
 
 
 def test_route_tiny_qwen3_5_trains_like_transformers(call_counter):
@@ -500,6 +500,48 @@ def test_route_decoding_with_cache(call_counter):
     assert call_counter == ["chunk", "recurrent"]
     for a, b in zip(got, want, strict=True):
         assert_close("logits", a, b, 1e-5)
+
+
+def test_route_packed_sequences_match_per_sequence_runs(call_counter):
+    """A padding-free batch (cu_seq_lens_q, as transformers passes packed sequences) through a
+    routed Gated DeltaNet layer gives what transformers' unrouted layer gives on each sequence
+    alone, gradients included: the delta rule and the short convolution (wrapped by route)
+    both restart at every sequence start. (Unrouted, transformers refuses cu_seqlens without
+    FLA.) The gate parameters' gradients are held to the float64 layer, as above."""
+    from fusetune.integrations import gated_delta
+
+    models = {"fp32": tiny_qwen3_5(), "fp64": tiny_qwen3_5().double()}
+    offsets = [0, 5, 6, 17, 23]
+    hidden = torch.randn(1, offsets[-1], 32, device=DEVICE, dtype=torch.float64)
+    upstream = torch.randn(1, offsets[-1], 32, device=DEVICE, dtype=torch.float64)
+
+    def run(name, packed):
+        layer = gated_delta_layer(models[name])
+        x = hidden.to(next(layer.parameters()).dtype)
+        if packed:
+            cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+            out = layer(x, cu_seq_lens_q=cu)
+        else:
+            pairs = zip(offsets[:-1], offsets[1:], strict=True)
+            out = torch.cat([layer(x[:, a:b]) for a, b in pairs], dim=1)
+        layer.zero_grad()
+        (out * upstream.to(out.dtype)).sum().backward()
+        return out, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    want, want_grads = run("fp32", packed=False)
+    gated_delta.route(models["fp32"])
+    gated_delta.route(models["fp64"])
+    try:
+        got, got_grads = run("fp32", packed=True)
+        _, exact_grads = run("fp64", packed=False)
+    finally:
+        gated_delta.unroute(models["fp32"])
+        gated_delta.unroute(models["fp64"])
+    assert call_counter[0] == "chunk"
+    assert_close("packed output", got, want, 1e-5)
+    for name, grad in got_grads.items():
+        oracle = exact_grads if name.endswith(GATE_PARAMETERS) else want_grads
+        assert_close(f"grad {name}", grad, oracle[name], 1e-5)
 
 
 def test_route_leaves_other_models_alone():

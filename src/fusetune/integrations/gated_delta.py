@@ -13,6 +13,12 @@ Where transformers looks the kernels up:
   set in ``__init__``; those are swapped per layer.
 Both call with FLA's argument names (q, k, v, g=, beta=, initial_state=, output_final_state=,
 use_qk_l2norm_in_kernel=, cu_seqlens=, plus extras that are dropped here).
+
+Packed sequences (padding-free batches: ``cu_seq_lens_q`` among the forward's kwargs) also pass
+through the layer's short causal convolution, ``causal_conv1d_fn``, before the delta rule.
+transformers' torch fallback of it ignores the packing (each sequence's first tokens would see
+the previous sequence's last ones), so routing also wraps that module function: with
+``cu_seq_lens_q`` it runs a convolution masked at the sequence starts, otherwise the original.
 """
 
 from __future__ import annotations
@@ -70,6 +76,55 @@ def _call(*args, **kwargs):
 
 
 ADAPTERS = {mode: _adapter(mode) for _, _, mode in SEAMS}
+CONV_SEAM = "causal_conv1d_fn"
+
+
+def packed_causal_conv1d(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor:
+    """Depthwise causal convolution of packed sequences: hidden_states [1, C, T], weight [C, W],
+    offsets cu_seqlens [N + 1]; an output never reads a token of an earlier sequence. Computed
+    as W shifted multiply-adds in weight's dtype (as transformers' fallback computes), the
+    shifted-in tokens masked where they cross a sequence start."""
+    seq_len, width = hidden_states.shape[-1], weight.shape[-1]
+    x = hidden_states.to(weight.dtype)
+    positions = torch.arange(seq_len, device=x.device)
+    starts = cu_seqlens.to(x.device, torch.long)[:-1]
+    # Position of each token inside its sequence (tokens past the last offset count on).
+    start_of = starts[torch.searchsorted(starts, positions, right=True).clamp(min=1) - 1]
+    offset = positions - start_of
+    out = x * weight[:, -1, None]
+    for shift in range(1, width):
+        shifted = torch.nn.functional.pad(x, (shift, 0))[..., :seq_len]
+        keep = (offset >= shift).to(x.dtype)
+        out = out + shifted * keep * weight[:, width - 1 - shift, None]
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = _act(activation)(out)
+    return out.to(hidden_states.dtype)
+
+
+def _act(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def _conv_adapter(original: Callable) -> Callable:
+    def run(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
+
+    run.__name__ = "fusetune_packed_causal_conv1d_fn"
+    run.__fusetune__ = True
+    return run
 
 
 def gated_delta_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -117,6 +172,9 @@ def _patch_module(module) -> None:
             if hasattr(module, name):
                 originals[name] = getattr(module, name)
                 setattr(module, name, ADAPTERS[mode])
+        if hasattr(module, CONV_SEAM):
+            originals[CONV_SEAM] = getattr(module, CONV_SEAM)
+            setattr(module, CONV_SEAM, _conv_adapter(originals[CONV_SEAM]))
     _MODULE_PATCHES[module.__name__] = (originals, count + 1)
 
 
