@@ -41,6 +41,7 @@ def make_inputs(
     n_seq=None,
     initial_state=True,
     unit_keys=True,
+    decay_scale=1.0,
 ):
     """Random inputs as a Qwen3.5 layer makes them: g = -A softplus(a) (from -0.01 to about
     -3), beta = sigmoid(b). Keys of norm ~1 (``unit_keys``) keep I - beta k k^T contracting, as
@@ -49,7 +50,7 @@ def make_inputs(
     k = torch.randn(batch, seq_len, key_heads, key_dim, dtype=torch.float64)
     if unit_keys:
         k = k / math.sqrt(key_dim)
-    decay_rate = torch.rand(value_heads, dtype=torch.float64) + 0.05
+    decay_rate = torch.rand(value_heads, dtype=torch.float64) * decay_scale + 0.05
     inputs = {
         "q": q,
         "k": k,
@@ -277,6 +278,27 @@ def test_long_sequences_gpu(algo, dtype):
         unit_keys=False,
     )
     run_check(inputs, dtype, algo, fixed=dict(use_qk_l2norm_in_kernel=True))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only")
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
+def test_strong_decays_gpu(dtype):
+    """Decay rates up to 16 as Qwen3.5 initialises A (exp(g) down to 1e-7 and chunk cumsums in
+    the hundreds): dg must keep the strongly decaying heads (the running-sum form of dg lost
+    them)."""
+    inputs = make_inputs(
+        batch=2,
+        seq_len=700,
+        key_heads=2,
+        value_heads=4,
+        key_dim=128,
+        value_dim=128,
+        unit_keys=False,
+        decay_scale=16.0,
+    )
+    run_check(inputs, dtype, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only")
