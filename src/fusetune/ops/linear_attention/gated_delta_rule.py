@@ -150,7 +150,10 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
     gradients and dD, then every input gradient per chunk."""
     device, f32 = v.device, torch.float32
     rows = (plan.batch, plan.seq_len, plan.value_heads)
-    dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), f32, device) for _ in range(2))
+    # Without groups the kernel writes dq, dk in their own dtypes; with groups fp32 per value
+    # head, summed over the group after.
+    dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), f32 if plan.group > 1 else x.dtype,
+                                   device) for x in (q, k))
     dbeta_buf, dg_buf = (_utils.empty(rows, f32, device) for _ in range(2))
     dv = _utils.empty(v.shape, v.dtype, device)
     dh0 = _utils.empty(plan.state_shape, f32, device)
@@ -161,6 +164,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
     cu_arg = dv if cu is None else cu
     t_buf = _utils.empty((*rows, run.bt), f32, device)
     run.states(plan, k, v, g, beta, h0, None, cu_arg, t_buf)
+    del run.u_buf  # bwd_chunk_kernel recomputes U from T
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
     dh_buf = _utils.empty(run.state_shape, f32, device)
     gdr_chunk.dstates_kernel[run.column_grid](
@@ -170,8 +174,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
     )
     block = min(max(16, _utils.next_power_of_2(plan.value_dim)), gdr_chunk.BWD_BLOCK_V)
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
-        q, k, v, beta, do, run.gc_buf, run.w_buf, run.u_buf, t_buf, run.d_buf, dd_buf, run.h_buf,
-        dh_buf, dq_buf, dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
+        q, k, v, beta, do, run.gc_buf, run.w_buf, t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf,
+        dq_buf, dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
         *bth_strides(v), *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
         plan.value_heads, BVA=block, **run.wide,
     )

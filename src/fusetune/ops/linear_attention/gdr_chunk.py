@@ -315,7 +315,7 @@ def dstates_kernel(
 
 @triton.jit
 def bwd_chunk_kernel(
-    q, k, v, beta, do, gc_buf, w_buf, u_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
+    q, k, v, beta, do, gc_buf, w_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
     dv, dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
@@ -363,7 +363,7 @@ def bwd_chunk_kernel(
                       mask=mtv, other=0.0).to(tl.float32)
         Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
         dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        Uc = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        Uc = mm(Tinv, bc[:, None] * vc, DOT)  # U = T (beta V), recomputed: no [T, V] buffer
         state = state0 + ck[:, None] * V + cv[None, :]
         S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
         dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
@@ -412,7 +412,7 @@ def bwd_chunk_kernel(
     dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
     dg += x0 * tl.exp(g_last)  # e^{G_last} S0: every u
     out_k = buf_rows[:, None] * K + ck[None, :]
-    tl.store(dq_buf + out_k, dq * scale, mask=mtk)
-    tl.store(dk_buf + out_k, dk, mask=mtk)
+    tl.store(dq_buf + out_k, (dq * scale).to(dq_buf.dtype.element_ty), mask=mtk)
+    tl.store(dk_buf + out_k, dk.to(dk_buf.dtype.element_ty), mask=mtk)
     tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
     tl.store(dg_buf + buf_rows, dg, mask=mt)
