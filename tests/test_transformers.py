@@ -43,10 +43,12 @@ FP32_UPDATE_TOL = 1e-3  # per parameter tensor, relative error of (final - initi
 # Gemma 4's per-layer embeddings amplify fp32 rounding: one step's gradients agree within
 # 1e-5 relative (every parameter, fused norms / GLU vs transformers'), its updates after 3
 # AdamW steps within 2.5e-3 to 1.2e-2 from run to run (measured on the CPU).
-# Over the GPU pass's 30 steps its per-step losses drift to 6.3e-5 (H100).
-LOSS_TOL = {"gemma4": 2e-4}
+# Over the GPU pass's 30 steps its per-step losses drift to 6.3e-5 and its updates to 2.5e-2
+# (H100). Qwen3.5-MoE's routing (top-k of router logits that differ by rounding) moved its
+# losses by 1.25e-4 there.
+LOSS_TOL = {"gemma4": 2e-4, "qwen3_5_moe": 5e-4}
 # The Gated DeltaNet layers likewise: gradients within 5e-6 (dt_bias, A_log), updates 1.5e-3.
-UPDATE_TOL = {"gemma4": 2e-2, "qwen3_5": 5e-3, "qwen3_next": 5e-3, "qwen3_5_moe": 5e-3}
+UPDATE_TOL = {"gemma4": 5e-2, "qwen3_5": 5e-3, "qwen3_next": 5e-3, "qwen3_5_moe": 5e-3}
 
 CONFIG = dict(
     vocab_size=VOCAB,
@@ -92,7 +94,8 @@ FAMILY_CONFIG = {
         residual_multiplier=0.5,
         attention_multiplier=0.1,
     ),
-    "granitemoe": dict(logits_scaling=4.0, **_LOCAL_EXPERTS),
+    # no router logits: transformers 5.17's GraniteMoe adds an int aux loss and fails with them
+    "granitemoe": dict(logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_5": dict(**_LINEAR_ATTENTION),
     "qwen3_next": dict(**_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=16),
     "qwen3_5_moe": dict(**_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=16),

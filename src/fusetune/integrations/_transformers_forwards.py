@@ -516,7 +516,8 @@ def _fused_loss_forward(
                 model.num_experts_per_tok,
                 kwargs.get("attention_mask"),
             )
-            loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+            if isinstance(aux, torch.Tensor):  # 0 without router logits (GraniteMoe 5.17)
+                loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
             extra["aux_loss"] = aux
     output = output_class(
         loss=loss,
