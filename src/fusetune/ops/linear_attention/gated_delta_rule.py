@@ -89,40 +89,36 @@ class _ChunkRun:
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
         slots = self.max_chunks + plan.n_seq + 1 if plan.varlen else plan.n_seq * self.max_chunks
         rows = (plan.batch, plan.seq_len, plan.value_heads)
-        self.w_buf = _utils.empty((*rows, plan.key_dim), f32, device)
-        self.u_buf = _utils.empty((*rows, plan.value_dim), f32, device)
-        self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)
-        self.gc_buf = _utils.empty(rows, f32, device)
+        self.t_buf = _utils.empty((*rows, self.bt), f32, device)  # (I + A)^-1 per chunk
+        self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # the writes D
+        self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
-        self.h_buf = _utils.empty(self.state_shape, f32, device)
+        self.h_buf = _utils.empty(self.state_shape, f32, device)  # chunk start states
         self.bva = max(16, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(16, plan.BV)
         # IEEE fp32 products throughout, whatever the input dtype: tf32 (fp16's 10-bit mantissa)
         # on the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on
         # dg in fp16 (issue 20, item 4). The chunk kernels' FLOPs are small enough to afford it.
-        self.common = dict(GROUP=plan.group, K=plan.key_dim, V=plan.value_dim, BT=self.bt,
-                           BK=plan.BK, VARLEN=plan.varlen, DOT=gdr_chunk.dot_mode(),
-                           num_warps=4)
-        # The per-chunk kernels hold [K, V] states and many [BT, V] tiles: more warps, fewer
+        self.common = dict(GROUP=plan.group, K=plan.key_dim, BT=self.bt, BK=plan.BK,
+                           VARLEN=plan.varlen, DOT=gdr_chunk.dot_mode(), num_warps=4)
+        # The per-chunk kernels hold many [BT, K] and [BT, V] tiles: more warps, fewer
         # registers a thread.
         self.wide = dict(self.common, num_warps=8)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
 
-    def states(self, plan, k, v, g, beta, h0, hT, cu_arg, t_buf=None) -> None:
-        """W, U, g per chunk (and (I + A)^-1 into ``t_buf``), then every chunk's start state and
-        writes D (and hT)."""
+    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
+        """(I + A)^-1 and g per chunk, then every chunk's start state and writes D (and hT)."""
         gdr_chunk.wy_kernel[self.chunk_grid](
-            k, g, beta, v, self.w_buf, self.u_buf, self.gc_buf,
-            self.w_buf if t_buf is None else t_buf, cu_arg, *bth_strides(k), *g.stride(),
-            *beta.stride(), *bth_strides(v), plan.seq_len, plan.value_heads, BVA=self.bva,
-            STORE_T=t_buf is not None, **self.wide,
+            k, g, beta, self.gc_buf, self.t_buf, cu_arg, *bth_strides(k), *g.stride(),
+            *beta.stride(), plan.seq_len, plan.value_heads, **self.wide,
         )
         gdr_chunk.states_kernel[self.column_grid](
-            k, self.w_buf, self.u_buf, self.gc_buf, self.d_buf, self.h_buf,
+            k, v, beta, self.gc_buf, self.t_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
-            *bth_strides(k), plan.seq_len, plan.value_heads, BV=self.bv,
-            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.common,
+            *bth_strides(k), *bth_strides(v), *beta.stride(), plan.seq_len, plan.value_heads,
+            V=plan.value_dim, BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None,
+            **self.common,
         )
 
 
@@ -140,7 +136,8 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
     out_block = min(run.bva, 64)  # value columns a program: keeps its S0 slice at [K, 64]
     gdr_chunk.output_kernel[(*run.chunk_grid, _utils.cdiv(plan.value_dim, out_block))](
         q, k, run.gc_buf, run.d_buf, run.h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
-        *bth_strides(o), scale, plan.seq_len, plan.value_heads, BVA=out_block, **run.wide,
+        *bth_strides(o), scale, plan.seq_len, plan.value_heads, V=plan.value_dim,
+        BVA=out_block, **run.wide,
     )
     return o, hT
 
@@ -162,22 +159,21 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
     run = _ChunkRun(plan, v)
     cu_arg = dv if cu is None else cu
-    t_buf = _utils.empty((*rows, run.bt), f32, device)
-    run.states(plan, k, v, g, beta, h0, None, cu_arg, t_buf)
-    del run.u_buf  # bwd_chunk_kernel recomputes U from T
+    run.states(plan, k, v, g, beta, h0, None, cu_arg)
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
     dh_buf = _utils.empty(run.state_shape, f32, device)
     gdr_chunk.dstates_kernel[run.column_grid](
-        q, k, do, run.w_buf, run.gc_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
-        cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
-        plan.value_heads, BV=run.bv, HAS_DHT=dhT is not None, **run.common,
+        q, k, beta, do, run.t_buf, run.gc_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT,
+        dh0, cu_arg, *bth_strides(q), *bth_strides(k), *beta.stride(), *bth_strides(do), scale,
+        plan.seq_len, plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
+        **run.common,
     )
     block = min(max(16, _utils.next_power_of_2(plan.value_dim)), gdr_chunk.BWD_BLOCK_V)
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
-        q, k, v, beta, do, run.gc_buf, run.w_buf, t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf,
-        dq_buf, dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
+        q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf,
+        dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
         *bth_strides(v), *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
-        plan.value_heads, BVA=block, **run.wide,
+        plan.value_heads, V=plan.value_dim, BVA=block, **run.wide,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 

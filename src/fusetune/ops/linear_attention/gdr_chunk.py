@@ -1,4 +1,4 @@
-"""Chunked gated delta rule forward (the WY / UT-transform form of the GDN paper), fp32 inside.
+"""Chunked gated delta rule (the WY / UT-transform form of the GDN paper), fp32 inside.
 
 Per sequence and value head, a chunk of BT tokens with start state S0, chunk-local cumulative
 log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
@@ -7,9 +7,10 @@ log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
     D = U - W S0
     O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma, t >= s) D]
     S_end = exp(G_last) S0 + (exp(G_last - G) K)^T D
-Three launches: ``wy_kernel`` (per chunk: A, T by forward substitution, W, U, G), ``states_kernel``
-(per sequence, value head and block of value columns, sequential over chunks: every chunk's S0,
-D, the final state), ``output_kernel`` (per chunk: O).
+Forward, three launches: ``wy_kernel`` (per chunk: A, then T, kept), ``states_kernel`` (per
+sequence, value head and block of value columns, sequential over chunks: W and U from T, every
+chunk's S0 and D, the final state), ``output_kernel`` (per chunk and block of value columns: O).
+Backward: below.
 Products run in fp32 (``DOT``: the launcher asks for IEEE always); exp arguments are <= 0.
 """
 
@@ -138,45 +139,44 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr):
 
 @triton.jit
 def wy_kernel(
-    k, g, beta, v, w_buf, u_buf, gc_buf, t_buf, cu,
-    sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, sv_b, sv_t, sv_h,
-    T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr,
-    VARLEN: tl.constexpr, DOT: tl.constexpr, STORE_T: tl.constexpr,
+    k, g, beta, gc_buf, t_buf, cu,
+    sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+    T, HV, GROUP: tl.constexpr, K, BT: tl.constexpr, BK: tl.constexpr,
+    VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
-    """W [T, HV, K], U [T, HV, V] and the floored gates g [T, HV] for the other kernels (fp32,
-    rows of the contiguous buffers r = (b * T + t) * HV + h)."""
+    """Per chunk: T = (I + A)^-1 [T, HV, BT] and the floored gates g [T, HV] for the other
+    kernels (fp32, rows of the contiguous buffers r = (b * T + t) * HV + h). W and U are
+    formed from T where they are used (one [BT, BT] product), not kept."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
     rows = start + tl.arange(0, BT)
     mt = rows < end
-    ck, cv = tl.arange(0, BK), tl.arange(0, BVA)
-    mk, mv = ck < K, cv < V
+    ck = tl.arange(0, BK)
     kc = tl.load(k + i_b * sk_b + (i_h // GROUP) * sk_h + rows[:, None] * sk_t + ck[None, :],
-                 mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    vc = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
-                 mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                 mask=mt[:, None] & (ck < K)[None, :], other=0.0).to(tl.float32)
     gq = tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt, other=0.0).to(tl.float32)
     gq = tl.maximum(gq, -1.0e4)  # exp(-1e4) is 0 to fp32; -inf would give 0 * inf below
-    gc = tl.cumsum(gq, axis=0)
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     r = tl.arange(0, BT)
     A = bc[:, None] * mm(kc, tl.trans(kc), DOT) * _decays(gq, r, True)
     Tinv = _unit_lower_inverse(A, r, BT)
-    W = mm(Tinv, (bc * tl.exp(gc))[:, None] * kc, DOT)
-    U = mm(Tinv, bc[:, None] * vc, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
-    tl.store(w_buf + out_rows[:, None] * K + ck[None, :], W, mask=mt[:, None] & mk[None, :])
-    tl.store(u_buf + out_rows[:, None] * V + cv[None, :], U, mask=mt[:, None] & mv[None, :])
     tl.store(gc_buf + out_rows, gq, mask=mt)
-    if STORE_T:  # for the backward: (I + A)^-1 [T, HV, BT]
-        tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
+    tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
+
+
+@triton.jit
+def _load_wy(t_buf, buf_rows, mt, r, kc, bc, gc, BT: tl.constexpr, DOT: tl.constexpr):
+    """T and W = T (beta e^G K) of a chunk."""
+    Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
+    return Tinv, mm(Tinv, (bc * tl.exp(gc))[:, None] * kc, DOT)
 
 
 @triton.jit
 def states_kernel(
-    k, w_buf, u_buf, gc_buf, d_buf, h_buf, h0, hT, cu,
-    sk_b, sk_t, sk_h,
+    k, v, beta, gc_buf, t_buf, d_buf, h_buf, h0, hT, cu,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -191,6 +191,8 @@ def states_kernel(
     tile = ck[:, None] * V + cv[None, :]
     mkv = mk[:, None] & mv[None, :]
     k += i_b * sk_b + (i_h // GROUP) * sk_h
+    v += i_b * sv_b + i_h * sv_h
+    beta += i_b * sb_b + i_h * sb_h
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
@@ -200,17 +202,17 @@ def states_kernel(
         start = bos + i_c * BT
         rows = start + r
         mt = rows < eos
+        mtv = mt[:, None] & mv[None, :]
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile, S, mask=mkv)
-        Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mt[:, None] & mk[None, :],
-                     other=0.0)
-        Uc = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mt[:, None] & mv[None, :],
-                     other=0.0)
-        Dc = Uc - mm(Wc, S, DOT)
-        tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mt[:, None] & mv[None, :])
-        gq, _, g_last = _load_gates(gc_buf, buf_rows, mt)
+        gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
         kc = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
                      other=0.0).to(tl.float32)
+        vc = tl.load(v + rows[:, None] * sv_t + cv[None, :], mask=mtv, other=0.0).to(tl.float32)
+        bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
+        Tinv, Wc = _load_wy(t_buf, buf_rows, mt, r, kc, bc, gc, BT, DOT)
+        Dc = mm(Tinv, bc[:, None] * vc, DOT) - mm(Wc, S, DOT)  # U - W S0
+        tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mtv)
         kd = tl.where(mt[:, None], kc * tl.exp(_tail(gq, r))[:, None], 0.0)
         S = S * tl.exp(g_last) + mm(tl.trans(kd), Dc, DOT)
     if STORE_HT:
@@ -253,7 +255,7 @@ def output_kernel(
 
 
 # ============================================================================ backward
-# Recompute W, U, G (wy_kernel) and S0, D (states_kernel) as the forward does; then
+# Recompute T, g (wy_kernel) and S0, D (states_kernel) as the forward does; then
 # ``dstates_kernel`` walks the chunks in reverse carrying dS (the gradient of the state after a
 # chunk), storing it per chunk with dD; ``bwd_chunk_kernel`` forms every input gradient of a
 # chunk from those. dg is formed term by term with each term's decay factor (no reverse running
@@ -262,8 +264,8 @@ def output_kernel(
 
 @triton.jit
 def dstates_kernel(
-    q, k, do, w_buf, gc_buf, dd_buf, dh_buf, dhT, dh0, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
+    q, k, beta, do, t_buf, gc_buf, dd_buf, dh_buf, dhT, dh0, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -281,6 +283,7 @@ def dstates_kernel(
     i_hk = i_h // GROUP
     q += i_b * sq_b + i_hk * sq_h
     k += i_b * sk_b + i_hk * sk_h
+    beta += i_b * sb_b + i_h * sb_h
     do += i_b * sd_b + i_h * sd_h
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -301,8 +304,9 @@ def dstates_kernel(
         kc = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0).to(tl.float32)
         dOc = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mt[:, None] & mv[None, :],
                       other=0.0).to(tl.float32)
-        Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
+        bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
+        _, Wc = _load_wy(t_buf, buf_rows, mt, r, kc, bc, gc, BT, DOT)
         P = mm(qc, tl.trans(kc), DOT) * _decays(gq, r, False)
         kd = tl.where(mt[:, None], kc * tl.exp(_tail(gq, r))[:, None], 0.0)
         dDc = mm(kd, dS, DOT) + mm(tl.trans(P), dOc, DOT)
@@ -315,7 +319,7 @@ def dstates_kernel(
 
 @triton.jit
 def bwd_chunk_kernel(
-    q, k, v, beta, do, gc_buf, w_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
+    q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
     dv, dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
@@ -384,7 +388,7 @@ def bwd_chunk_kernel(
     KK = mm(kc, tl.trans(kc), DOT)
     A = bc[:, None] * KK * gamma_lower
     kb = (bc * eg)[:, None] * kc
-    Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
+    Wc = mm(Tinv, kb, DOT)
     # O = (e^G Q) S0 + P D with P = (Q K^T) * Gamma.
     P = mm(qc, tl.trans(kc), DOT) * gamma
     dQK = dP * gamma
