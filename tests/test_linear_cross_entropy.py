@@ -409,3 +409,140 @@ def test_no_host_device_sync(reduction):
         loss.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ============================================================================ loss weights
+
+
+def weighted_inputs(lead, hidden_size, vocab, *, which=("class", "token")):
+    """make_inputs plus float64 class weights in [0.1, 2.1) with one class at 0 (and a label
+    of it present) and token weights in [0, 2) shaped like labels."""
+    inputs = make_inputs(lead, hidden_size, vocab)
+    if "class" in which:
+        class_weight = torch.rand(vocab, dtype=torch.float64) * 2 + 0.1
+        class_weight[3] = 0.0
+        inputs["labels"].view(-1)[0] = 3
+        inputs["class_weight"] = class_weight
+    if "token" in which:
+        inputs["token_weight"] = torch.rand(lead, dtype=torch.float64) * 2
+    return inputs
+
+
+WEIGHT_KINDS = {"class": ("class",), "token": ("token",), "both": ("class", "token")}
+WEIGHT_CASES = [
+    (kind, reduction, chunks)
+    for kind in WEIGHT_KINDS
+    for reduction in ("mean", "sum", "none")
+    for chunks in (1, 3)
+    if chunks == 1 or kind == "both"
+]
+
+
+@pytest.mark.parametrize("kind,reduction,chunks", WEIGHT_CASES)
+def test_loss_weights(kind, reduction, chunks, monkeypatch):
+    """Class and token weights against the float64 reference in every reduction, over several
+    row chunks, with smoothing and z-loss; both cross-entropy launch shapes."""
+    force_launch(monkeypatch, chunks, block=64)
+    kwargs = dict(reduction=reduction, chunk_size=4, label_smoothing=0.1, z_loss=1e-3)
+    inputs = weighted_inputs((11,), 16, 200, which=WEIGHT_KINDS[kind])
+    run(inputs, torch.bfloat16, kwargs=kwargs)
+
+
+@pytest.mark.parametrize(
+    "dtype,mode,layout",
+    [
+        (torch.float32, "eager", "contiguous"),
+        (torch.float16, "eager", "noncontiguous"),
+        (torch.bfloat16, "compile", "noncontiguous"),
+        (torch.float32, "compile", "contiguous"),
+    ],
+    ids=["fp32", "fp16-noncontiguous", "bf16-compile", "fp32-compile"],
+)
+def test_loss_weights_dtypes(dtype, mode, layout, monkeypatch):
+    """Both weights with shift, bias, num_items and return_z_loss, in each dtype and compiled."""
+    force_launch(monkeypatch, 1, block=64)
+    inputs = weighted_inputs((2, 6), 16, 130)
+    inputs["bias"] = torch.randn(130, dtype=torch.float64)
+    kwargs = dict(shift=True, chunk_size=5, z_loss=1e-3, return_z_loss=True, num_items=7)
+    run(inputs, dtype, kwargs=kwargs, mode=mode, layout=layout)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+def test_class_weight_reference_is_torch(reduction, label_smoothing):
+    """The float64 reference equals F.cross_entropy(hidden @ W.T, weight=...)."""
+    inputs = weighted_inputs((9,), 16, 40, which=("class",))
+    hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["labels"]
+    options = dict(reduction=reduction, label_smoothing=label_smoothing)
+    want = F.cross_entropy(hidden @ weight.T, labels, weight=inputs["class_weight"], **options)
+    got = reference_lce(hidden, weight, labels, class_weight=inputs["class_weight"], **options)
+    assert_close("loss", got, want, 1e-14)
+
+
+def test_token_weight_reference_is_weighted_sum():
+    """Token weights in the reference: sum(t * loss) / sum(t) over the non-ignored tokens."""
+    inputs = weighted_inputs((12,), 8, 30, which=("token",))
+    hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["labels"]
+    token_weight = inputs["token_weight"]
+    per_token = F.cross_entropy(hidden @ weight.T, labels, reduction="none")
+    valid = labels != IGNORE
+    want = (per_token * token_weight).sum() / token_weight[valid].sum()
+    got = reference_lce(hidden, weight, labels, token_weight=token_weight)
+    assert_close("loss", got, want, 1e-14)
+
+
+def test_unit_token_weights_change_nothing():
+    inputs = weighted_inputs((2, 7), 16, 50, which=())
+    hidden, weight = (inputs[k].float().to(DEVICE) for k in ("hidden", "weight"))
+    labels = inputs["labels"].to(DEVICE)
+    ones = torch.ones(labels.shape, device=DEVICE)
+    want = fusetune.linear_cross_entropy(hidden, weight, labels, shift=True, chunk_size=3)
+    got = fusetune.linear_cross_entropy(hidden, weight, labels, shift=True, chunk_size=3,
+                                        token_weight=ones)  # fmt: skip
+    assert_close("loss", got, want, 1e-6)
+
+
+def test_zero_weights_give_zero_mean_and_gradient():
+    """All token weights 0, or every label of a class weighted 0: loss 0, not NaN."""
+    hidden = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(10, 8, device=DEVICE)
+    class_weight = torch.ones(10, device=DEVICE)
+    class_weight[2] = 0.0
+    labels = torch.tensor([2, 2, IGNORE, 2], device=DEVICE)
+    for options in (dict(class_weight=class_weight),
+                    dict(token_weight=torch.zeros(4, device=DEVICE))):  # fmt: skip
+        loss = fusetune.linear_cross_entropy(hidden, weight, labels, **options)
+        (grad,) = torch.autograd.grad(loss, hidden)
+        assert loss.item() == 0.0 and not grad.any()
+
+
+def test_unweighted_call_takes_the_plain_path(monkeypatch):
+    """Without token weights the gradient comes from the statistics pass alone (no second
+    kernel), and the kernels get no class weights."""
+    seen = []
+    original_write, original_stats = ce_module._write_grad, ce_module._forward_stats
+    monkeypatch.setattr(ce_module, "_write_grad", lambda *a: seen.append("write") or
+                        original_write(*a))  # fmt: skip
+    monkeypatch.setattr(ce_module, "_forward_stats", lambda *a: seen.append(a[2].class_weight)
+                        or original_stats(*a))  # fmt: skip
+    hidden = torch.randn(6, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(30, 8, device=DEVICE)
+    labels = torch.randint(0, 30, (6,), device=DEVICE)
+    fusetune.linear_cross_entropy(hidden, weight, labels, chunk_size=4).backward()
+    if uses_kernels(hidden):
+        assert seen == [None, None]
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_loss_weights_bad_input(mode):
+    fn = compiled(fusetune.linear_cross_entropy, DEVICE) if mode == "compile" else (
+        fusetune.linear_cross_entropy
+    )  # fmt: skip
+    hidden, weight = torch.randn(4, 16, device=DEVICE), torch.randn(50, 16, device=DEVICE)
+    labels = torch.randint(0, 50, (4,), device=DEVICE)
+    assert_raises(ValueError, "class_weight must have shape", fn, hidden, weight, labels,
+                  class_weight=torch.ones(49, device=DEVICE))  # fmt: skip
+    assert_raises(ValueError, "token_weight must have shape", fn, hidden, weight, labels,
+                  token_weight=torch.ones(5, device=DEVICE))  # fmt: skip
+    assert_raises(TypeError, "class_weight", fn, hidden, weight, labels,
+                  class_weight=torch.ones(50, device=DEVICE, dtype=torch.long))  # fmt: skip

@@ -8,6 +8,11 @@ happens in the forward: three matmuls in all, and backward only rescales when th
 gradient is not 1. With reduction "none" the forward keeps each row's logsumexp and backward
 recomputes the logits chunk by chunk (four matmuls).
 
+Class weights go to the cross-entropy kernels as they are (their HAS_WEIGHT path). Token
+weights t scale each row's loss: the fused forward then needs a per-row gradient scale, which
+only the cross-entropy gradient kernel takes, so each chunk runs the statistics kernel and then
+that one (one more read of the chunk's logits, only when token weights are given).
+
 The extra memory is one chunk of logits, sized from the weight and the free memory (never from
 N x V), plus per-row fp32 statistics.
 """
@@ -136,7 +141,7 @@ def _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias):
 
 
 def _fake_forward(hidden, weight, bias, labels, grad_scale, *rest):
-    *_, chunk_override, grad_hidden, grad_weight, grad_bias = rest
+    *_, chunk_override, grad_hidden, grad_weight, grad_bias, class_weight = rest
     per_row = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     grads = _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias)
     return (per_row, per_row.new_empty(per_row.shape), *grads)
@@ -144,18 +149,23 @@ def _fake_forward(hidden, weight, bias, labels, grad_scale, *rest):
 
 @_utils.register_op(
     "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-    f"Tensor grad_scale, {ce._OPTION_SCHEMA}, int chunk_override, {_GRAD_FLAGS}) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"Tensor grad_scale, {ce._OPTION_SCHEMA}, int chunk_override, {_GRAD_FLAGS}, "
+    "Tensor? class_weight) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_fake_forward,
 )
 def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_smoothing, z_loss,
-                logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight, grad_bias):
-    """hidden [N, H], weight [V, H], bias [V] in the matmul dtype; labels [N].
+                logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight, grad_bias,
+                class_weight):
+    """hidden [N, H], weight [V, H], bias [V] in the matmul dtype; labels [N]; class_weight
+    fp32 [V] or None.
 
     Returns per-row loss and logsumexp (fp32 [N]) and, for each grad flag set, the gradient of
-    ``grad_scale * sum(loss)`` (grad_scale 0-dim fp32): hidden's and weight's in their dtype,
-    bias's in fp32; an empty tensor for each flag not set."""
-    options = ce._Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    ``sum(grad_scale * loss)`` (grad_scale fp32, 0-dim or one per row [N]): hidden's and
+    weight's in their dtype, bias's in fp32; an empty tensor for each flag not set."""
+    options = ce._with_class_weight(
+        (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
+    )
+    per_row_scale = grad_scale.dim() == 1
     n_rows, device = labels.numel(), hidden.device
     loss = _utils.empty((n_rows,), torch.float32, device)
     lse = _utils.empty((n_rows,), torch.float32, device)
@@ -163,10 +173,15 @@ def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_sm
     compute_grad = grad_hidden or grad_weight or grad_bias
     with torch.autocast(device.type, enabled=False):
         for chunk, logits3, plan in _logit_chunks(hidden, weight, bias, chunk_override):
-            grad3 = logits3 if compute_grad else None  # the gradient overwrites the logits
+            # the gradient overwrites the logits
+            grad3 = logits3 if compute_grad and not per_row_scale else None
             ce._forward_stats(
                 logits3, labels[chunk], options, plan, loss[chunk], lse[chunk], grad3, grad_scale
             )
+            if compute_grad and per_row_scale:
+                ce._write_grad(
+                    logits3, labels[chunk], lse[chunk], grad_scale[chunk], logits3, options, plan
+                )
             if compute_grad:
                 grads.add_chunk(logits3[0], hidden, weight, chunk)
     return (loss, lse, *grads.outputs())
@@ -175,17 +190,19 @@ def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_sm
 @_utils.register_op(
     "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
     f"Tensor? bias, Tensor labels, Tensor lse, {ce._OPTION_SCHEMA}, int chunk_override, "
-    f"{_GRAD_FLAGS}) -> (Tensor, Tensor, Tensor)",
+    f"{_GRAD_FLAGS}, Tensor? class_weight) -> (Tensor, Tensor, Tensor)",
     fake=lambda grad_loss, hidden, weight, bias, labels, lse, *rest: _fake_grads(
-        hidden, weight, *rest[-3:]
+        hidden, weight, *rest[-4:-1]
     ),
 )
 def _backward_op(grad_loss, hidden, weight, bias, labels, lse, ignore_index, label_smoothing,
                  z_loss, logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight,
-                 grad_bias):
+                 grad_bias, class_weight):
     """Gradients from per-row upstream gradients ``grad_loss`` (fp32 [N]), recomputing the
     logits chunk by chunk from the saved logsumexp."""
-    options = ce._Options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
+    options = ce._with_class_weight(
+        (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
+    )
     device = hidden.device
     grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
     grad_loss = grad_loss.to(torch.float32).contiguous()
@@ -207,19 +224,23 @@ def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     """Returns (loss, lse) for hidden [N, H]; loss reduced with ``inv_denominator`` unless
-    reduction is "none"."""
+    reduction is "none". class_weight: fp32 [V] or None; token_weight: fp32 [N] or None, each
+    row's loss multiplied by it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_denominator, op_args, reduction,
-                chunk_override, dtype):
+    def forward(ctx, hidden, weight, bias, labels, class_weight, token_weight, inv_denominator,
+                op_args, reduction, chunk_override, dtype):  # fmt: skip
         flags = tuple(ctx.needs_input_grad[:3])
         # With a scalar upstream gradient the gradients are known now: compute them in the
         # same pass over each chunk of logits; backward then only rescales.
         fused = any(flags) and reduction != "none"
+        grad_scale = inv_denominator if token_weight is None else inv_denominator * token_weight
         loss, lse, *grads = _forward_op(
-            hidden.to(dtype), weight.to(dtype), _cast(bias, dtype), labels, inv_denominator,
-            *op_args, chunk_override, *(flags if fused else (False,) * 3),
+            hidden.to(dtype), weight.to(dtype), _cast(bias, dtype), labels, grad_scale,
+            *op_args, chunk_override, *(flags if fused else (False,) * 3), class_weight,
         )
+        if token_weight is not None:
+            loss = loss * token_weight
         if reduction != "none":
             loss = loss.sum() * inv_denominator
         ctx.fused, ctx.flags, ctx.dtype = fused, flags, dtype
@@ -227,7 +248,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if fused:
             ctx.save_for_backward(*own_dtypes(grads, flags, hidden, weight, bias))
         elif any(flags):
-            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+            ctx.save_for_backward(hidden, weight, bias, labels, lse, class_weight, token_weight)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
@@ -237,13 +258,15 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.fused:
             grads = scale_fused_grads(ctx.saved_tensors, grad_loss)
         else:
-            hidden, weight, bias, labels, lse = ctx.saved_tensors
+            hidden, weight, bias, labels, lse, class_weight, token_weight = ctx.saved_tensors
+            if token_weight is not None:
+                grad_loss = grad_loss * token_weight
             raw = _backward_op(
                 grad_loss, hidden.to(ctx.dtype), weight.to(ctx.dtype), _cast(bias, ctx.dtype),
-                labels, lse, *ctx.op_args, ctx.chunk_override, *ctx.flags,
+                labels, lse, *ctx.op_args, ctx.chunk_override, *ctx.flags, class_weight,
             )
             grads = own_dtypes(raw, ctx.flags, hidden, weight, bias)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, *(None,) * 8)
 
 
 def scale_fused_grads(grads, grad_loss: torch.Tensor) -> tuple:
@@ -285,6 +308,8 @@ def linear_cross_entropy(
     num_items: float | torch.Tensor | None = None,
     return_z_loss: bool = False,
     chunk_size: int | None = None,
+    class_weight: torch.Tensor | None = None,
+    token_weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the logits.
 
@@ -299,6 +324,15 @@ def linear_cross_entropy(
         num_items, return_z_loss: as in :func:`fusetune.cross_entropy`, applied to the logits.
         chunk_size: rows per chunk (default: chosen so that a chunk's logits take about 1/8 of
             the weight's bytes and at most a quarter of the free GPU memory).
+        class_weight: optional class weights [V] (floating, not differentiated): what
+            ``weight=`` is to :func:`fusetune.cross_entropy` and torch's cross-entropy (named
+            apart from the lm_head ``weight``). Costs nothing when not given.
+        token_weight: optional per-token loss weights, labels' shape (floating, not
+            differentiated; with ``shift``, a weight goes with its label token, as the labels
+            move). Each token's loss (its z-loss term included) is multiplied by its weight;
+            "mean" divides by the sum over non-ignored tokens of the token weight (times the
+            label's class weight with ``class_weight``; 1, not NaN, when that sum is 0). When
+            given, the fused forward reads each chunk of logits once more.
 
     Precision: the matmuls run in the autocast dtype under torch.autocast, as F.linear does;
     outside autocast in the inputs' dtype, or, when float32 is mixed with a 16-bit dtype, in
@@ -317,18 +351,22 @@ def linear_cross_entropy(
             with bfloat16 outside autocast; a non-number option.
         ValueError: hidden's last dim not weight's in-features (with a hint when it equals the
             vocabulary size: logits passed for hidden states); labels not hidden's leading dims;
-            bias not [V]; tensors on different devices; any option error of
+            bias not [V]; class_weight not [V]; token_weight not labels' shape; tensors on
+            different devices; any option error of
             :func:`fusetune.cross_entropy`; on the CPU, a label outside [0, V).
     """
     options = dict(
         reduction=reduction, label_smoothing=label_smoothing, logit_softcap=logit_softcap,
         logit_scale=logit_scale, z_loss=z_loss, num_items=num_items,
     )
-    check_linear_cross_entropy_args(hidden, weight, labels, bias, chunk_size=chunk_size, **options)
+    loss_weights = dict(class_weight=class_weight, token_weight=token_weight)
+    check_linear_cross_entropy_args(
+        hidden, weight, labels, bias, chunk_size=chunk_size, **loss_weights, **options
+    )
     if _utils.backend(hidden) == "reference":
         return reference_linear_cross_entropy(
             hidden, weight, labels, bias, shift=shift, ignore_index=ignore_index,
-            return_z_loss=return_z_loss, chunk_size=chunk_size, **options,
+            return_z_loss=return_z_loss, chunk_size=chunk_size, **loss_weights, **options,
         )
     dtype = matmul_dtype(hidden, weight)
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -336,18 +374,52 @@ def linear_cross_entropy(
     shaped_labels = shift_labels(labels, ignore_index) if shift else labels
     flat_labels = shaped_labels.reshape(-1).contiguous()  # the kernels index it densely
     valid = flat_labels != ignore_index
-    inv_denominator = ce.loss_scale(valid, reduction, num_items)
+    class_weight, token_class_weights = ce._class_weights(class_weight, flat_labels)
+    token_weight = _flat_token_weight(token_weight, shift)
+    inv_denominator = ce.loss_scale(
+        valid, reduction, num_items, _denominator_weights(token_weight, token_class_weights)
+    )
     op_args = ce.op_options(ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap)
     loss, lse = _LinearCrossEntropyFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, inv_denominator,
-        op_args, reduction, int(chunk_size or 0), dtype,
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, class_weight,
+        token_weight, inv_denominator, op_args, reduction, int(chunk_size or 0), dtype,
     )
     if reduction == "none":
         loss = _unshift(loss.view(labels.shape), shift)
     if not return_z_loss:
         return loss
-    z_value = ce.z_loss_term(valid, lse, z_loss, reduction, inv_denominator)
+    z_value = _z_loss_value(valid, lse, z_loss, reduction, inv_denominator, token_weight)
     return loss, _unshift(z_value.view(labels.shape), shift) if reduction == "none" else z_value
+
+
+def _z_loss_value(valid, lse, z_loss, reduction, inv_denominator, token_weight):
+    """The z-loss part of the loss alone, detached, reduced like the loss (for logging);
+    scaled by the token weights when given."""
+    if token_weight is None:
+        return ce.z_loss_term(valid, lse, z_loss, reduction, inv_denominator)
+    z_term = torch.where(valid, z_loss * lse.square() * token_weight, 0.0)
+    value = z_term if reduction == "none" else z_term.sum() * inv_denominator
+    return value.detach()
+
+
+def _flat_token_weight(token_weight: torch.Tensor | None, shift: bool) -> torch.Tensor | None:
+    """Token weights as fp32 [N], moved with the labels under ``shift`` (the last position,
+    whose label is ignored, gets 0)."""
+    if token_weight is None:
+        return None
+    token_weight = token_weight.detach().to(torch.float32)
+    if shift:
+        tail = token_weight.new_zeros((*token_weight.shape[:-1], 1))
+        token_weight = torch.cat([token_weight[..., 1:], tail], dim=-1)
+    return token_weight.reshape(-1).contiguous()
+
+
+def _denominator_weights(token_weight, token_class_weights):
+    """What "mean" sums over the non-ignored tokens: token weight times label weight, either
+    one alone, or None (a count)."""
+    if token_weight is None or token_class_weights is None:
+        return token_weight if token_class_weights is None else token_class_weights
+    return token_weight * token_class_weights
 
 
 def _unshift(per_token: torch.Tensor, shift: bool) -> torch.Tensor:
