@@ -24,7 +24,9 @@ class CrossEntropyLoss(_LossWithOptions):
     """Module form of :func:`fusetune.cross_entropy`; the options are fixed at construction.
 
     ``forward(logits, labels, num_items=None)`` takes logits [N, V] or [B, T, V] and labels
-    [N] or [B, T] and returns what :func:`fusetune.cross_entropy` returns.
+    [N] or [B, T] and returns what :func:`fusetune.cross_entropy` returns. ``weight`` (class
+    weights [V]) is a buffer, as in ``torch.nn.CrossEntropyLoss``: it follows the module's
+    ``.to()`` and is saved in its state dict.
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class CrossEntropyLoss(_LossWithOptions):
         z_loss: float = 0.0,
         return_z_loss: bool = False,
         inplace_backward: bool = False,
+        weight: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
             ignore_index=ignore_index,
@@ -49,6 +52,8 @@ class CrossEntropyLoss(_LossWithOptions):
             return_z_loss=return_z_loss,
             inplace_backward=inplace_backward,
         )
+        self.weight: torch.Tensor | None
+        self.register_buffer("weight", weight)
 
     def forward(
         self,
@@ -56,17 +61,22 @@ class CrossEntropyLoss(_LossWithOptions):
         labels: torch.Tensor,
         num_items: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return cross_entropy(logits, labels, num_items=num_items, **self.options)
+        return cross_entropy(
+            logits, labels, num_items=num_items, weight=self.weight, **self.options
+        )
 
 
 class LinearCrossEntropyLoss(_LossWithOptions):
     """Module form of :func:`fusetune.linear_cross_entropy`; the options are fixed at
     construction.
 
-    ``forward(hidden, weight, labels, bias=None, num_items=None)`` takes hidden [N, H] or
-    [B, T, H], the lm_head weight [V, H], labels [N] or [B, T] and an optional bias [V], and
-    returns what :func:`fusetune.linear_cross_entropy` returns. The module holds no weight: pass
-    the model's lm_head weight, so that tied embeddings and adapters keep working.
+    ``forward(hidden, weight, labels, bias=None, num_items=None, token_weight=None)`` takes
+    hidden [N, H] or [B, T, H], the lm_head weight [V, H], labels [N] or [B, T], an optional
+    bias [V] and optional per-token loss weights (labels' shape), and returns what
+    :func:`fusetune.linear_cross_entropy` returns. The module holds no lm_head weight: pass the
+    model's, so that tied embeddings and adapters keep working. ``class_weight`` (class weights
+    [V], torch's ``weight=`` under the op's name) is a buffer, as torch's CrossEntropyLoss
+    keeps its ``weight``.
     """
 
     def __init__(
@@ -81,6 +91,7 @@ class LinearCrossEntropyLoss(_LossWithOptions):
         z_loss: float = 0.0,
         return_z_loss: bool = False,
         chunk_size: int | None = None,
+        class_weight: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
             shift=shift,
@@ -93,6 +104,8 @@ class LinearCrossEntropyLoss(_LossWithOptions):
             return_z_loss=return_z_loss,
             chunk_size=chunk_size,
         )
+        self.class_weight: torch.Tensor | None
+        self.register_buffer("class_weight", class_weight)
 
     def forward(
         self,
@@ -101,9 +114,17 @@ class LinearCrossEntropyLoss(_LossWithOptions):
         labels: torch.Tensor,
         bias: torch.Tensor | None = None,
         num_items: float | torch.Tensor | None = None,
+        token_weight: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return linear_cross_entropy(
-            hidden, weight, labels, bias, num_items=num_items, **self.options
+            hidden,
+            weight,
+            labels,
+            bias,
+            num_items=num_items,
+            class_weight=self.class_weight,
+            token_weight=token_weight,
+            **self.options,
         )
 
 
@@ -114,7 +135,9 @@ class GRPOLoss(_LossWithOptions):
     ref_logps=None, bias=None, num_items_in_batch=None)`` takes hidden [B, T, H], the lm_head
     weight [V, H], token_ids and completion_mask [B, T], advantages [B] and optional log-probs
     [B, T], and returns (loss, metrics) as :func:`fusetune.grpo_loss` does. The module holds no
-    weight: pass the policy's lm_head weight.
+    weight: pass the policy's lm_head weight. Every loss type of :func:`fusetune.grpo_loss`
+    (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) with its options; the defaults are
+    the op's (``use_bias_correction_kl`` False, where TRL's GRPOConfig has True).
     """
 
     def __init__(
@@ -131,6 +154,13 @@ class GRPOLoss(_LossWithOptions):
         logit_softcap: float | None = None,
         logit_scale: float | None = None,
         chunk_size: int | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        use_bias_correction_kl: bool = False,
     ) -> None:
         super().__init__(
             beta=beta,
@@ -144,6 +174,13 @@ class GRPOLoss(_LossWithOptions):
             logit_softcap=logit_softcap,
             logit_scale=logit_scale,
             chunk_size=chunk_size,
+            sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg,
+            vespo_k_pos=vespo_k_pos,
+            vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg,
+            use_bias_correction_kl=use_bias_correction_kl,
         )
 
     def forward(
