@@ -5,8 +5,15 @@ The head-only runs (``fusetune.apply(trainer, rms_norm=False, ...)``) leave gene
 transformers' own, so both runs sample the same completions and every difference is the head's:
 they cover every loss type, both importance-sampling levels, the KL with a reference model and
 with PEFT's disabled-adapter reference, temperature, several iterations per generation with
-gradient accumulation, the entropy mask and bonus. The full-apply runs (backbone too) check that
-the whole model trains through fusetune. A spy counts the head calls fusetune served."""
+gradient accumulation, the entropy mask and bonus, the off-policy sequence mask and truncated
+completions masked out. The full-apply runs (backbone too) check that the whole model trains
+through fusetune. A spy counts the head calls fusetune served.
+
+fusetune serves TRL's head and leaves its loss code alone, so every GRPO option runs TRL's own
+path on fusetune's log-probs and entropy: none falls back, and none warns. The vLLM
+importance-sampling correction (its inputs come from vLLM, absent on the CPU) is checked at the
+loss: the same hand-made batch through ``compute_loss``. bf16: fusetune's run is as far from
+TRL's fp32 run as TRL's own bf16 run is."""
 
 from __future__ import annotations
 
@@ -42,17 +49,15 @@ def even_words(completions, **kwargs):
     return rewards
 
 
-def grpo_run(model, tmp_path, apply_options, **config):
-    """STEPS GRPO steps in fp32; (logged metrics per step, parameter updates, head calls).
-    With beta > 0 and no PEFT, TRL loads the reference model from the policy's name: a copy of
-    the initial weights saved under tmp_path."""
+def make_trainer(model, tmp_path, **config):
+    """A GRPOTrainer on 8 prompts with the even_words reward, in fp32 unless ``config`` says
+    bf16. With beta > 0 and no PEFT, TRL loads the reference model from the policy's name: a
+    copy of the initial weights saved under tmp_path."""
     if config.get("beta", 0.0) > 0 and not isinstance(model, peft.PeftModel):
         saved = tmp_path / "reference"
         if not saved.exists():
             model.save_pretrained(saved)
         model.config._name_or_path = str(saved)
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    start = {n: p.detach().clone() for n, p in trainable.items()}
     prompts = datasets.Dataset.from_list([{"prompt": f"t{3 + i} t{9 + i}"} for i in range(8)])
     settings = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
@@ -62,10 +67,17 @@ def grpo_run(model, tmp_path, apply_options, **config):
         shuffle_dataset=False,
     )  # fmt: skip
     settings.update(config)
-    trainer = trl.GRPOTrainer(
+    return trl.GRPOTrainer(
         model=model, reward_funcs=[even_words], args=trl.GRPOConfig(**settings),
         train_dataset=prompts, processing_class=word_tokenizer(model.config.vocab_size),
     )  # fmt: skip
+
+
+def grpo_run(model, tmp_path, apply_options, **config):
+    """STEPS GRPO steps; (logged metrics per step, parameter updates, head calls)."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    start = {n: p.detach().clone() for n, p in trainable.items()}
+    trainer = make_trainer(model, tmp_path, **config)
     calls = trl_integration.FusedHead.calls
     if apply_options is not None:
         fusetune.apply(trainer, **apply_options)
@@ -106,6 +118,14 @@ CASES = {
                                     gradient_accumulation_steps=2, per_device_train_batch_size=2),
     "entropy-mask-bonus": dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01,
                                mask_truncated_completions=True),
+    # the second step reuses the first one's completions: old log-probs differ, and the mask
+    # drops a negative-advantage sequence there (test_off_policy_mask_drops_sequences)
+    "off-policy-mask": dict(loss_type="dapo", num_iterations=2, off_policy_mask_threshold=1e-4),
+    "top-entropy-quantile": dict(loss_type="grpo", top_entropy_quantile=0.2),
+    # the first step has a terminated completion, the second none (loss 0)
+    "mask-truncated": dict(loss_type="bnpo", mask_truncated_completions=True),
+    "adaptive-entropy": dict(loss_type="dapo", entropy_coef=0.01, use_adaptive_entropy=True,
+                             entropy_target=5.0),
 }  # fmt: skip
 
 
@@ -142,6 +162,89 @@ def test_grpo_full_apply_trains(kind, tmp_path):
     compare(want, got)
 
 
+def test_off_policy_mask_drops_sequences(tmp_path, monkeypatch):
+    """The off-policy case is not vacuous: the mask drops a sequence, the same one in both."""
+    masks = []
+    original = trl.GRPOTrainer.get_off_policy_mask
+
+    def spy(*args, **kwargs):
+        masks.append(original(*args, **kwargs))
+        return masks[-1]
+
+    monkeypatch.setattr(trl.GRPOTrainer, "get_off_policy_mask", staticmethod(spy))
+    model = tiny_model("llama", num_hidden_layers=1)
+    config = CASES["off-policy-mask"]
+    grpo_run(copy.deepcopy(model), tmp_path, None, **config)
+    want, masks = masks, []
+    grpo_run(model, tmp_path, HEAD_ONLY, **config)
+    assert len(masks) == len(want) == STEPS
+    assert not want[-1].all() and all(torch.equal(a, b) for a, b in zip(masks, want, strict=True))
+
+
+def vllm_batch(vocab: int, seed: int = 0) -> dict:
+    """A scored batch as TRL's generation step hands it to compute_loss with vLLM: completions,
+    advantages of both signs, old log-probs, the sampler's log-probs and their IS ratios."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, prompt, completion = 4, 3, 5
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    completion_mask[1, 3:] = 0
+    old = -torch.rand(batch, completion, generator=generator) * 4 - 1
+    sampling = old + torch.randn(batch, completion, generator=generator) * 0.05
+    return dict(
+        prompt_ids=torch.randint(3, vocab, (batch, prompt), generator=generator),
+        prompt_mask=torch.ones(batch, prompt, dtype=torch.long),
+        completion_ids=torch.randint(3, vocab, (batch, completion), generator=generator),
+        completion_mask=completion_mask,
+        advantages=torch.tensor([0.8, -0.5, 1.2, -1.0]),
+        old_per_token_logps=old,
+        sampling_per_token_logps=sampling,
+        importance_sampling_ratio=torch.exp(old - sampling).clamp(max=2.0),
+        num_items_in_batch=completion_mask.sum(),
+    )
+
+
+def loss_and_grads(model, tmp_path, patched, **config):
+    """compute_loss of vllm_batch with TRL's vLLM correction on: (loss, metrics, grads)."""
+    trainer = make_trainer(model, tmp_path, **config)
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.current_gradient_accumulation_steps = 1
+    if patched:
+        fusetune.apply(trainer, **HEAD_ONLY)
+    try:
+        batch = vllm_batch(model.config.vocab_size)
+        loss = trainer.compute_loss(
+            trainer.model, {k: v.to(model.device) for k, v in batch.items()}
+        )
+        loss.backward()
+    finally:
+        if patched:
+            fusetune.revert(trainer)
+    metrics = {
+        k: torch.tensor(v, dtype=torch.float64) for k, v in trainer._metrics["train"].items()
+    }
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), metrics, grads
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "vespo"])
+def test_vllm_importance_sampling_correction(loss_type, tmp_path):
+    """The vLLM correction inputs (IS ratios; the sampler's log-probs in the off-policy mask):
+    TRL's loss, metrics and gradients on fusetune's head, in fp32. vespo folds the ratios into
+    its gamma weights, the others multiply the per-token loss by them."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    config = dict(loss_type=loss_type, off_policy_mask_threshold=0.01, beta=0.0)
+    want = loss_and_grads(copy.deepcopy(model), tmp_path, False, **config)
+    calls = trl_integration.FusedHead.calls
+    got = loss_and_grads(model, tmp_path, True, **config)
+    assert trl_integration.FusedHead.calls > calls
+    assert_close("loss", got[0], want[0], FP32_LOSS_TOL, atol=1e-7)
+    assert got[1].keys() == want[1].keys()
+    for name, value in want[1].items():
+        assert_close(f"metric {name}", got[1][name], value, FP32_LOSS_TOL, atol=1e-6)
+    for name, grad in want[2].items():
+        assert_close(f"grad of {name}", got[2][name], grad, FP32_UPDATE_TOL, atol=1e-7)
+
+
 def test_unserved_outputs_fall_back_with_a_warning(monkeypatch):
     calls = []
 
@@ -155,10 +258,12 @@ def test_unserved_outputs_fall_back_with_a_warning(monkeypatch):
     monkeypatch.setitem(trl_integration._state, "warned", set())
     hidden, weight = torch.randn(3, 8), torch.randn(16, 8)
     targets = torch.tensor([1, 2, 3])
-    with pytest.warns(UserWarning, match="mean_logits"):
-        result = trl_integration.FusedHead.apply(hidden, weight, None, targets, 1.0, 32768, None,
-                                                 1.0, ("log_probs", "mean_logits"))  # fmt: skip
-    assert result == "trl" and calls == [("log_probs", "mean_logits")]
+    args = (hidden, weight, None, targets, 1.0, 32768, None, 1.0, ("log_probs", "mean_logits"))
+    with pytest.warns(UserWarning, match="mean_logits") as warned:
+        result = trl_integration.FusedHead.apply(*args)
+        assert trl_integration.FusedHead.apply(*args) == "trl"  # one warning, not one a call
+    assert len(warned) == 1
+    assert result == "trl" and calls == [("log_probs", "mean_logits")] * 2
 
 
 def test_apply_needs_a_trainer():
