@@ -546,3 +546,23 @@ def test_loss_weights_bad_input(mode):
                   token_weight=torch.ones(5, device=DEVICE))  # fmt: skip
     assert_raises(TypeError, "class_weight", fn, hidden, weight, labels,
                   class_weight=torch.ones(50, device=DEVICE, dtype=torch.long))  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_weight_gradient_is_summed_in_fp32(reduction):
+    """fp32 master weights under bf16 autocast: the weight gradient is summed over the row
+    chunks in fp32 (one bf16 rounding a chunk would drift with the chunk count), so many
+    chunks give one chunk's gradient to fp32 accuracy."""
+    inputs = make_inputs((64,), 32, 200)
+    hidden, weight = (inputs[k].float().to(DEVICE).requires_grad_() for k in ("hidden", "weight"))
+    labels = inputs["labels"].to(DEVICE)
+    upstream = torch.randn(64, device=DEVICE) if reduction == "none" else torch.ones(())
+    grads = []
+    for chunk_size in (64, 4):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = fusetune.linear_cross_entropy(hidden, weight, labels, reduction=reduction,
+                                                 chunk_size=chunk_size)  # fmt: skip
+        grads.append(torch.autograd.grad(loss, (hidden, weight), upstream.to(DEVICE)))
+    for one, many in zip(*grads, strict=True):
+        assert many.dtype == torch.float32
+        assert_close("gradient over 16 chunks", many, one, 1e-5)

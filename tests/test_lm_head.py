@@ -109,3 +109,22 @@ def test_no_grad_and_kernels_ran(monkeypatch):
         )
     assert not out.log_probs.requires_grad and out.entropy.shape == (1, 5)
     assert len(calls) == (1 if uses_kernels(hidden) else 0)
+
+
+def test_fp32_weight_gradient_is_summed_in_fp32():
+    """fp32 weights under bf16 autocast (TRL's GRPO with bf16=True): the weight gradient is
+    summed over the row chunks in fp32, so 16 chunks give one chunk's gradient."""
+    data = inputs(batch=4, time=16, hidden=32, vocab=200)
+    hidden, weight = (data[k].float().to(DEVICE).requires_grad_() for k in ("hidden", "weight"))
+    token_ids = data["token_ids"].to(DEVICE)
+    upstream = torch.randn(2, 4, 16, device=DEVICE)
+    grads = []
+    for chunk_size in (64, 4):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            out = fusetune.selective_log_softmax(hidden, weight, token_ids, return_entropy=True,
+                                                 chunk_size=chunk_size)  # fmt: skip
+        loss = (out.log_probs * upstream[0] + out.entropy * upstream[1]).sum()
+        grads.append(torch.autograd.grad(loss, (hidden, weight)))
+    for one, many in zip(*grads, strict=True):
+        assert many.dtype == torch.float32
+        assert_close("gradient over 16 chunks", many, one, 1e-5)

@@ -76,14 +76,42 @@ def chunk_rows(
 # ============================================================================ chunk loop
 
 
-class _Grads:
-    """The gradients being accumulated over chunks, in the matmul dtype (bias: fp32); an empty
-    tensor for each one not asked for."""
+# ``torch.mm(..., out_dtype=torch.float32)`` from 16-bit operands (cuBLAS, fp32 output)
+_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
-    def __init__(self, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` where ``out`` may be fp32 and a, b 16-bit: the product is never
+    rounded to the 16-bit dtype (on CUDA one cuBLAS call; elsewhere the operands are upcast)."""
+    if a.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda and _MM_OUT_DTYPE:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+class _Grads:
+    """The gradients being accumulated over chunks, in the matmul dtype, or in fp32 for those
+    whose ``fp32`` flag is set (an fp32 input under a 16-bit matmul: its gradient is then
+    summed over the chunks without rounding to 16 bits, as an fp32 master weight needs); bias's
+    in fp32; an empty tensor for each one not asked for."""
+
+    def __init__(self, hidden, weight, bias, grad_hidden, grad_weight, grad_bias,
+                 fp32=(False, False)):  # fmt: skip
         device = hidden.device
-        self.hidden = _utils.empty(hidden.shape if grad_hidden else (0,), hidden.dtype, device)
-        self.weight = _utils.empty(weight.shape if grad_weight else (0,), weight.dtype, device)
+        hidden_dtype = torch.float32 if fp32[0] else hidden.dtype
+        weight_dtype = torch.float32 if fp32[1] else weight.dtype
+        self.hidden = _utils.empty(hidden.shape if grad_hidden else (0,), hidden_dtype, device)
+        self.weight = _utils.empty(weight.shape if grad_weight else (0,), weight_dtype, device)
         bias_shape = (weight.shape[0],) if grad_bias else (0,)
         self.bias = torch.zeros(bias_shape, dtype=torch.float32, device=device)
         self.started = False
@@ -94,12 +122,9 @@ class _Grads:
     def add_chunk(self, grad_logits, hidden, weight, rows: slice) -> None:
         """Accumulate one chunk's contribution, given its logits gradient [rows, V]."""
         if self.hidden.numel():
-            torch.mm(grad_logits, weight, out=self.hidden[rows])
+            _mm_fp32(grad_logits, weight, self.hidden[rows], accumulate=False)
         if self.weight.numel():
-            if self.started:
-                self.weight.addmm_(grad_logits.t(), hidden[rows])
-            else:
-                torch.mm(grad_logits.t(), hidden[rows], out=self.weight)
+            _mm_fp32(grad_logits.t(), hidden[rows], self.weight, accumulate=self.started)
         if self.bias.numel():
             self.bias += grad_logits.sum(dim=0, dtype=torch.float32)
         self.started = True
@@ -130,38 +155,51 @@ def _logit_chunks(hidden, weight, bias, chunk_override: int,
 
 
 _GRAD_FLAGS = "bool grad_hidden, bool grad_weight, bool grad_bias"
+# _Grads' fp32 flags: the hidden / weight gradient accumulates in fp32 (an fp32 input)
+_FP32_FLAGS = "bool fp32_grad_hidden, bool fp32_grad_weight"
 
 
-def _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias):
+def _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias, fp32_hidden=False,
+                fp32_weight=False):  # fmt: skip
     return (
-        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-        weight.new_empty(weight.shape if grad_weight else (0,)),
+        hidden.new_empty(hidden.shape if grad_hidden else (0,),
+                         dtype=torch.float32 if fp32_hidden else hidden.dtype),
+        weight.new_empty(weight.shape if grad_weight else (0,),
+                         dtype=torch.float32 if fp32_weight else weight.dtype),
         weight.new_empty((weight.shape[0],) if grad_bias else (0,), dtype=torch.float32),
-    )
+    )  # fmt: skip
+
+
+def fp32_grad_flags(dtype: torch.dtype, *inputs: torch.Tensor) -> tuple[bool, ...]:
+    """For each input, whether its gradient accumulates in fp32: an fp32 input whose matmuls
+    run in a 16-bit ``dtype`` (autocast, or mixed with a 16-bit tensor)."""
+    return tuple(t.dtype == torch.float32 and dtype != torch.float32 for t in inputs)
 
 
 def _fake_forward(hidden, weight, bias, labels, grad_scale, *rest):
-    *_, chunk_override, grad_hidden, grad_weight, grad_bias, class_weight = rest
+    *_, grad_hidden, grad_weight, grad_bias, fp32_hidden, fp32_weight, class_weight = rest
     per_row = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
-    grads = _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias)
+    grads = _fake_grads(hidden, weight, grad_hidden, grad_weight, grad_bias, fp32_hidden,
+                        fp32_weight)  # fmt: skip
     return (per_row, per_row.new_empty(per_row.shape), *grads)
 
 
 @_utils.register_op(
     "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
     f"Tensor grad_scale, {ce._OPTION_SCHEMA}, int chunk_override, {_GRAD_FLAGS}, "
-    "Tensor? class_weight) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"{_FP32_FLAGS}, Tensor? class_weight) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_fake_forward,
 )
 def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_smoothing, z_loss,
                 logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight, grad_bias,
-                class_weight):
+                fp32_grad_hidden, fp32_grad_weight, class_weight):
     """hidden [N, H], weight [V, H], bias [V] in the matmul dtype; labels [N]; class_weight
     fp32 [V] or None.
 
     Returns per-row loss and logsumexp (fp32 [N]) and, for each grad flag set, the gradient of
     ``sum(grad_scale * loss)`` (grad_scale fp32, 0-dim or one per row [N]): hidden's and
-    weight's in their dtype, bias's in fp32; an empty tensor for each flag not set."""
+    weight's in their dtype (fp32 where its fp32 flag is set), bias's in fp32; an empty tensor
+    for each flag not set."""
     options = ce._with_class_weight(
         (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
     )
@@ -169,7 +207,8 @@ def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_sm
     n_rows, device = labels.numel(), hidden.device
     loss = _utils.empty((n_rows,), torch.float32, device)
     lse = _utils.empty((n_rows,), torch.float32, device)
-    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias,
+                   (fp32_grad_hidden, fp32_grad_weight))  # fmt: skip
     compute_grad = grad_hidden or grad_weight or grad_bias
     with torch.autocast(device.type, enabled=False):
         for chunk, logits3, plan in _logit_chunks(hidden, weight, bias, chunk_override):
@@ -190,21 +229,22 @@ def _forward_op(hidden, weight, bias, labels, grad_scale, ignore_index, label_sm
 @_utils.register_op(
     "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
     f"Tensor? bias, Tensor labels, Tensor lse, {ce._OPTION_SCHEMA}, int chunk_override, "
-    f"{_GRAD_FLAGS}, Tensor? class_weight) -> (Tensor, Tensor, Tensor)",
+    f"{_GRAD_FLAGS}, {_FP32_FLAGS}, Tensor? class_weight) -> (Tensor, Tensor, Tensor)",
     fake=lambda grad_loss, hidden, weight, bias, labels, lse, *rest: _fake_grads(
-        hidden, weight, *rest[-4:-1]
+        hidden, weight, *rest[-6:-1]
     ),
 )
 def _backward_op(grad_loss, hidden, weight, bias, labels, lse, ignore_index, label_smoothing,
                  z_loss, logit_scale, logit_softcap, chunk_override, grad_hidden, grad_weight,
-                 grad_bias, class_weight):
+                 grad_bias, fp32_grad_hidden, fp32_grad_weight, class_weight):
     """Gradients from per-row upstream gradients ``grad_loss`` (fp32 [N]), recomputing the
     logits chunk by chunk from the saved logsumexp."""
     options = ce._with_class_weight(
         (ignore_index, label_smoothing, z_loss, logit_scale, logit_softcap), class_weight
     )
     device = hidden.device
-    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias,
+                   (fp32_grad_hidden, fp32_grad_weight))  # fmt: skip
     grad_loss = grad_loss.to(torch.float32).contiguous()
     with torch.autocast(device.type, enabled=False):
         for chunk, logits3, plan in _logit_chunks(hidden, weight, bias, chunk_override):
@@ -235,9 +275,10 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         # same pass over each chunk of logits; backward then only rescales.
         fused = any(flags) and reduction != "none"
         grad_scale = inv_denominator if token_weight is None else inv_denominator * token_weight
+        fp32 = fp32_grad_flags(dtype, hidden, weight)
         loss, lse, *grads = _forward_op(
             hidden.to(dtype), weight.to(dtype), _cast(bias, dtype), labels, grad_scale,
-            *op_args, chunk_override, *(flags if fused else (False,) * 3), class_weight,
+            *op_args, chunk_override, *(flags if fused else (False,) * 3), *fp32, class_weight,
         )
         if token_weight is not None:
             loss = loss * token_weight
@@ -263,7 +304,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 grad_loss = grad_loss * token_weight
             raw = _backward_op(
                 grad_loss, hidden.to(ctx.dtype), weight.to(ctx.dtype), _cast(bias, ctx.dtype),
-                labels, lse, *ctx.op_args, ctx.chunk_override, *ctx.flags, class_weight,
+                labels, lse, *ctx.op_args, ctx.chunk_override, *ctx.flags,
+                *fp32_grad_flags(ctx.dtype, hidden, weight), class_weight,
             )
             grads = own_dtypes(raw, ctx.flags, hidden, weight, bias)
         return (*grads, *(None,) * 8)
@@ -338,7 +380,9 @@ def linear_cross_entropy(
     outside autocast in the inputs' dtype, or, when float32 is mixed with a 16-bit dtype, in
     the 16-bit one (float16 mixed with bfloat16 is an error). They accumulate in fp32; the
     logits are held in the matmul dtype, the loss is computed in fp32. The weight gradient is
-    summed over the row chunks in the matmul dtype (one rounding per chunk).
+    summed over the row chunks in the matmul dtype (one rounding per chunk), or, for an fp32
+    weight (an fp32 master weight under autocast), in fp32 without rounding to 16 bits; the
+    same for hidden's gradient.
 
     Returns:
         the loss (fp32; 0-dim, or [N] / [B, T] (T - 1 with shift) for reduction "none"); with

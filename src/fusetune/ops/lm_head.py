@@ -23,10 +23,12 @@ from fusetune import _utils
 from fusetune._triton import tl, triton
 from fusetune.ops import cross_entropy as ce
 from fusetune.ops.linear_cross_entropy import (
+    _FP32_FLAGS,
     _GRAD_FLAGS,
     _fake_grads,
     _Grads,
     _logit_chunks,
+    fp32_grad_flags,
     own_dtypes,
 )
 from fusetune.reference.grpo import HeadOutput
@@ -182,20 +184,23 @@ def _forward_op(hidden, weight, bias, labels, ignore_index, logit_scale, logit_s
 
 
 def _fake_backward(grad_logp, grad_entropy, hidden, weight, bias, *rest):
-    return _fake_grads(hidden, weight, *rest[-3:])
+    return _fake_grads(hidden, weight, *rest[-5:])
 
 
 @_utils.register_op(
     "lm_head_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
-    f"Tensor? bias, Tensor labels, Tensor lse, Tensor entropy, {_HEAD_SCHEMA}, {_GRAD_FLAGS}) "
-    "-> (Tensor, Tensor, Tensor)",
+    f"Tensor? bias, Tensor labels, Tensor lse, Tensor entropy, {_HEAD_SCHEMA}, {_GRAD_FLAGS}, "
+    f"{_FP32_FLAGS}) -> (Tensor, Tensor, Tensor)",
     fake=_fake_backward,
 )
 def _backward_op(grad_logp, grad_entropy, hidden, weight, bias, labels, lse, entropy,
                  ignore_index, logit_scale, logit_softcap, chunk_override, grad_hidden,
-                 grad_weight, grad_bias):
+                 grad_weight, grad_bias, fp32_grad_hidden, fp32_grad_weight):
+    """Gradients of hidden, weight and bias (as linear cross-entropy's: fp32 for the inputs
+    whose fp32 flag is set) from per-row upstream gradients, recomputing each chunk's logits."""
     options = ce._Options(ignore_index, 0.0, 0.0, logit_scale, logit_softcap)
-    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    grads = _Grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias,
+                   (fp32_grad_hidden, fp32_grad_weight))  # fmt: skip
     grad_logp = None if grad_logp is None else grad_logp.float().contiguous()
     grad_entropy = None if grad_entropy is None else grad_entropy.float().contiguous()
     with torch.autocast(hidden.device.type, enabled=False):
@@ -236,7 +241,7 @@ class _HeadFunction(torch.autograd.Function):
         raw = _backward_op(
             grad_logp, grad_entropy if entropy.numel() else None, hidden.to(dtype),
             weight.to(dtype), None if bias is None else bias.to(dtype), labels, lse, entropy,
-            *ctx.head_args, *flags,
+            *ctx.head_args, *flags, *fp32_grad_flags(dtype, hidden, weight),
         )
         return (*own_dtypes(raw, flags, hidden, weight, bias), None, None, None, None, None)
 
