@@ -245,6 +245,68 @@ def test_vllm_importance_sampling_correction(loss_type, tmp_path):
         assert_close(f"grad of {name}", got[2][name], grad, FP32_UPDATE_TOL, atol=1e-7)
 
 
+@pytest.fixture
+def bf16_rounded_to_nearest(monkeypatch):
+    """Triton's CPU interpreter (3.x) truncates fp32 -> bf16 casts (round toward zero, ignoring
+    fp_downcast_rounding); the GPU rounds to nearest. Truncation biases every bf16 gradient a
+    kernel writes, which the bf16 comparison would measure instead of the kernels: round as
+    the GPU does here (torch's conversion), for this test only."""
+    if ON_GPU:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from fusetune._triton import tl
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            bits = values.view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return original(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+def distances(run, fp32_run):
+    """Per logged metric, the largest step difference; and the parameter updates' relative
+    distance (one norm over all parameters)."""
+    metrics = {k: (run[0][k] - v).abs().max().item() for k, v in fp32_run[0].items()}
+    diff = sum((run[1][n] - u).square().sum() for n, u in fp32_run[1].items())
+    norm = sum(u.square().sum() for u in fp32_run[1].values())
+    return metrics, (diff / norm).sqrt().item()
+
+
+BF16_CASES = {
+    "dapo-beta": dict(loss_type="dapo", beta=0.05),
+    "grpo-sequence-iterations": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                     num_iterations=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+def test_grpo_bf16_within_trls_own_distance(case, tmp_path, bf16_rounded_to_nearest):
+    """bf16=True (autocast over fp32 weights): fusetune's run is no further from TRL's fp32 run
+    than 1.5x TRL's own bf16 run is (plus a hair), in every logged metric and in the updates.
+    Plain SGD, so that an update is proportional to its gradient (Adam's first step is the
+    gradient's sign, which a rounding flips for the tiny gradients)."""
+    config = dict(BF16_CASES[case], optim="sgd", learning_rate=0.1)
+    model = tiny_model("llama", num_hidden_layers=1)
+    fp32 = grpo_run(copy.deepcopy(model), tmp_path, None, **config)
+    trl_bf16 = grpo_run(copy.deepcopy(model), tmp_path, None, bf16=True, **config)
+    ours = grpo_run(model, tmp_path, HEAD_ONLY, bf16=True, **config)
+    assert ours[2] > 0
+    trl_metrics, trl_updates = distances(trl_bf16, fp32)
+    our_metrics, our_updates = distances(ours, fp32)
+    assert 0 < trl_updates < 0.1, trl_updates  # bf16 really ran, and stayed close
+    assert our_updates <= 1.5 * trl_updates + 1e-4, (our_updates, trl_updates)
+    for name, trl_distance in trl_metrics.items():
+        slack = 1e-7 + 1e-4 * fp32[0][name].abs().max().item()
+        assert our_metrics[name] <= 1.5 * trl_distance + slack, (name, our_metrics, trl_metrics)
+
+
 def test_unserved_outputs_fall_back_with_a_warning(monkeypatch):
     calls = []
 
