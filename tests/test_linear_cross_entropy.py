@@ -395,16 +395,27 @@ def test_gradients_accumulate_across_calls():
 
 @pytest.mark.skipif(not ON_GPU, reason="host-device syncs exist only with a GPU")
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_no_host_device_sync(reduction):
+@pytest.mark.parametrize("weights", [False, True], ids=["plain", "class+token-weights"])
+def test_no_host_device_sync(reduction, weights):
     hidden = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 1000, (300,), device="cuda")
-    fusetune.linear_cross_entropy(hidden, weight, labels, reduction=reduction)  # warm-up
+    options = {}
+    if weights:
+        options = dict(class_weight=torch.rand(1000, device="cuda"),
+                       token_weight=torch.rand(300, device="cuda"))  # fmt: skip
+    fusetune.linear_cross_entropy(hidden, weight, labels, reduction=reduction, **options)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss = fusetune.linear_cross_entropy(
-            hidden, weight, labels, reduction=reduction, chunk_size=128, num_items=None
+            hidden,
+            weight,
+            labels,
+            reduction=reduction,
+            chunk_size=128,
+            num_items=None,
+            **options,
         )
         loss.sum().backward()
     finally:

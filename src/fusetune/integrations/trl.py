@@ -18,8 +18,14 @@ the narrowest TRL has, and the one most likely to survive its releases (replacin
 :func:`fusetune.apply` as for any transformers model.
 
 What is served: ``log_probs`` and ``entropy`` (both differentiable) and ``is_top1``. A call that
-asks for a field fusetune does not compute (``log_sum_sq_probs``, ``mean_logits``) runs TRL's own
-kernel for that call, with one warning naming the field. TRL's ``chunk_size`` (a vocabulary
+asks for a field fusetune does not compute (``log_sum_sq_probs``, ``mean_logits``: DPO and KTO
+ask for them) runs TRL's own kernel for that call, with one warning naming the field. GRPO asks
+for log-probs and entropy only, so every GRPOConfig option (each loss type and level,
+``off_policy_mask_threshold``, ``top_entropy_quantile``, ``mask_truncated_completions``, the
+entropy bonus, adaptive or not, the vLLM importance-sampling correction) is TRL's own loss code
+on fusetune's numbers: none falls back and none warns (tests/test_trl_grpo.py checks each
+against unpatched TRL). Under autocast over fp32 weights (``bf16=True``) the head's weight and
+hidden gradients are summed in fp32, as TRL's are. TRL's ``chunk_size`` (a vocabulary
 tile) is ignored: fusetune sizes its row chunks itself. With ``cast_lm_head_to_fp32`` (fp32
 hidden states outside autocast) the head is computed in fp32, as TRL does.
 
