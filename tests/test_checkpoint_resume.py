@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,19 +153,21 @@ def test_resumed_gpu_run_matches_within_bf16_tolerance(tmp_path, monkeypatch, re
 
 
 def test_sigkill_at_a_random_step_then_resume(tmp_path, reference):
-    """Kill a real run with SIGKILL (no handler runs) as it reports a random step; every
-    checkpoint left is readable and --resume finishes with the uninterrupted run's outputs."""
+    """Kill a real run with SIGKILL (no handler runs) up to half a second after it reports a
+    random step (before, during or after that step's checkpoint is written); every checkpoint
+    left is readable and --resume finishes with the uninterrupted run's outputs."""
     data, want = reference
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rng = random.Random(int(os.environ.get("FUSETUNE_KILL_SEED", "23")))
     for run in range(int(os.environ.get("FUSETUNE_KILL_RUNS", "1"))):
         output, kill_at = tmp_path / f"out{run}", rng.randint(1, STEPS - 1)
-        command = [sys.executable, "-m", "fusetune", "finetune", "--save-every", "1"]
+        finetune = [sys.executable, "-m", "fusetune", "finetune", "--save-every", "1"]
         process = subprocess.Popen(
-            [*command, *argv(data, output)], stderr=subprocess.PIPE, text=True, env=env
+            [*finetune, *argv(data, output)], stderr=subprocess.PIPE, text=True, env=env
         )
         for line in process.stderr:
             if f" {kill_at}/{STEPS} [" in line:
+                time.sleep(rng.uniform(0.0, 0.5))  # into the checkpoint's write or the next step
                 process.send_signal(signal.SIGKILL)
                 break
         process.wait(timeout=120)
