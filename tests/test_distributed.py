@@ -183,3 +183,131 @@ def test_zero3_matches_unpatched_zero3(tmp_path):
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-5)
     for name, param in want["params"].items():
         assert_close(f"param {name}", got["params"][name], param, 1e-5)
+
+
+# ----------------------------------------------------------------------------- model variants
+
+
+def variant_model(case: str):
+    """A tiny Llama for ``case``: "lora" (PEFT LoRA on q/v, base frozen, adapters nonzero),
+    "tied" (the lm_head weight is the embedding) or "mixed" (untied, for the bf16 policy)."""
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=case == "tied").cpu()
+    if case == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(2)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                            init_lora_weights=False)  # fmt: skip
+        model = get_peft_model(model, config)
+    return model
+
+
+def shard(model, policy=None) -> None:
+    """fully_shard per decoder layer, then the root (which holds the embedding and the head,
+    tied or not); ``policy``: a MixedPrecisionPolicy."""
+    from torch.distributed.fsdp import fully_shard
+
+    extra = {} if policy is None else {"mp_policy": policy}
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in causal.model.layers:
+        fully_shard(layer, **extra)
+    fully_shard(model, **extra)
+
+
+def counted_run(model, rank, device, patch: bool, policy=None) -> dict:
+    """fusetune applied (or not), sharded, STEPS steps: losses, full parameters, fused calls."""
+    if patch:
+        fusetune.apply(model)
+    calls = []
+    fused = forwards.linear_cross_entropy
+    forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    try:
+        shard(model, policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a fallback to the logits path warns
+            warnings.filterwarnings("ignore", ".*TensorFloat32.*")
+            losses = train(model, batches(model.config.vocab_size), device, rank, WORLD)
+    finally:
+        forwards.linear_cross_entropy = fused
+    params = {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "calls": len(calls)}
+
+
+def variant_worker(rank: int, case: str, init_file: str, results: str) -> None:
+    dist.init_process_group(BACKEND, init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    runs = {}
+    if case == "mixed":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = variant_model(case).to(device)
+        runs["hf"] = counted_run(copy.deepcopy(model), rank, device, False, policy)
+        runs["fusetune"] = counted_run(model, rank, device, True, policy)
+    else:
+        runs["fusetune"] = counted_run(variant_model(case).to(device), rank, device, True)
+    if rank == 0:
+        torch.save(runs, results)
+    dist.destroy_process_group()
+
+
+def spawn_variant(case: str, tmp_path) -> dict:
+    results = tmp_path / "rank0.pt"
+    mp.spawn(variant_worker, args=(case, str(tmp_path / "init"), str(results)),
+             nprocs=WORLD, join=True)  # fmt: skip
+    return torch.load(results)
+
+
+TWO_RANKS = pytest.mark.skipif(
+    torch.cuda.device_count() == 1, reason="2 ranks need 2 GPUs (NCCL) or none (gloo)"
+)
+
+
+@TWO_RANKS
+@pytest.mark.parametrize("case", ["lora", "tied"])
+def test_fsdp2_variant_matches_one_process(case, tmp_path):
+    """PEFT LoRA (adapters trained, base frozen, fusetune.apply on the PeftModel) and tied
+    embeddings (the head's weight is the embedding, in the root group) under fully_shard:
+    2 ranks equal one process in fp32, the fused loss on every step."""
+    if case == "lora":
+        pytest.importorskip("peft")
+    model = variant_model(case)
+    want_model = copy.deepcopy(model)
+    fusetune.apply(want_model)
+    want = train(want_model, batches(model.config.vocab_size), torch.device("cpu"))
+    got = spawn_variant(case, tmp_path)["fusetune"]
+    assert got["calls"] == STEPS, got["calls"]
+    assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want), 1e-5)
+    trained = 0
+    for name, param in want_model.named_parameters():
+        assert_close(f"param {name}", got["params"][name], param.detach(), 1e-5)
+        trained += param.requires_grad
+    if case == "lora":  # only the adapters train
+        assert trained == 2 * 2 * 2, trained  # 2 layers x (q, v) x (A, B)
+        moved = [n for n in got["params"] if "lora_" not in n]
+        base = variant_model(case)
+        for name in moved:
+            assert torch.equal(got["params"][name], dict(base.named_parameters())[name])
+
+
+# bf16 parameters in the forward: fusetune's fused loss (fp32 accumulation of bf16 logits)
+# and transformers' bf16 logits round differently; measured on the CPU: see the test.
+MIXED_LOSS_TOL, MIXED_PARAM_TOL = 1e-2, 1e-2
+
+
+@TWO_RANKS
+def test_fsdp2_mixed_precision_matches_unpatched(tmp_path):
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reductions) with and without fusetune on
+    the same 2 ranks: the fused loss on every step, losses and fp32 parameters within bf16
+    rounding of transformers' own run under the same policy."""
+    runs = spawn_variant("mixed", tmp_path)
+    want, got = runs["hf"], runs["fusetune"]
+    assert want["calls"] == 0 and got["calls"] == STEPS, (want["calls"], got["calls"])
+    assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                 MIXED_LOSS_TOL)  # fmt: skip
+    for name, param in want["params"].items():
+        assert param.dtype == torch.float32
+        assert_close(f"param {name}", got["params"][name], param, MIXED_PARAM_TOL)
