@@ -111,6 +111,18 @@ def _glu(gate, up, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
+def _split_pairs(t, BM: tl.constexpr, BN: tl.constexpr):
+    """(even columns, odd columns) of a [BM, 2 BN] tile: interleaved gate and up."""
+    return tl.split(tl.reshape(t, (BM, BN, 2)))
+
+
+@triton.jit
+def _join_pairs(even, odd, BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, 2 BN] tile with even columns from ``even`` and odd ones from ``odd``."""
+    return tl.reshape(tl.join(even, odd), (BM, 2 * BN))
+
+
+@triton.jit
 def _grouped_mm_kernel(
     a_ptr, a_rows_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, scale_ptr, out_ptr, out_rows_ptr,
     tiles_ptr, scaling, n_out, k_in, rank,
@@ -158,47 +170,73 @@ def _glu_forward_kernel(
     scaling, alpha, limit, inter, hidden, rank, col_step, up_offset,
     x_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, gu_stride,
     h_stride,
-    LORA: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    LORA: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
     """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
-    at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up)."""
+    at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up).
+    INTERLEAVED: one accumulator over 2 BN adjacent gu columns (contiguous weight loads: a
+    stride-2 gather defeats vectorized / async loads), split into gate and up in registers."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
-    gate_cols = cols * col_step
-    up_cols = gate_cols + up_offset
-    src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
-    w_base = w_ptr + expert * w_se
-    acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    k_stop = tl.where(valid, hidden, 0)
-    for k0 in range(0, k_stop, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_mask = ks < hidden
-        a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
-        w = _w_tile(w_base, ks, k_mask, gate_cols, col_mask, w_sk, w_sn)
-        acc_gate = _mm(a, w, acc_gate, IEEE, UPCAST)
-        w = _w_tile(w_base, ks, k_mask, up_cols, col_mask, w_sk, w_sn)
-        acc_up = _mm(a, w, acc_up, IEEE, UPCAST)
-    if LORA:
-        lb_base = lb_ptr + expert * lb_se
-        acc_gate = _lora_add(acc_gate, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr,
-                             gate_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
-        acc_up = _lora_add(acc_up, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr,
-                           up_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
-    if BIAS:
-        bias_base = bias_ptr + expert * bias_stride
-        acc_gate += tl.load(bias_base + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(bias_base + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
     gu_rows = rows.to(tl.int64)[:, None] * gu_stride
-    gate = acc_gate.to(gu_ptr.dtype.element_ty)
-    up = acc_up.to(gu_ptr.dtype.element_ty)
-    tl.store(gu_ptr + gu_rows + gate_cols[None, :], gate, mask=mask)
-    tl.store(gu_ptr + gu_rows + up_cols[None, :], up, mask=mask)
-    h, _, _ = _glu(gate.to(tl.float32), up.to(tl.float32), ACT, alpha, limit)
+    src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
+    w_base = w_ptr + expert * w_se
+    k_stop = tl.where(valid, hidden, 0)
+    if INTERLEAVED:
+        pair_cols = pid_n * 2 * BN + tl.arange(0, 2 * BN)
+        pair_mask = pair_cols < 2 * inter
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        for k0 in range(0, k_stop, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_mask = ks < hidden
+            a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
+            w = _w_tile(w_base, ks, k_mask, pair_cols, pair_mask, w_sk, w_sn)
+            acc = _mm(a, w, acc, IEEE, UPCAST)
+        if LORA:
+            acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se,
+                            lb_sn, lb_sr, pair_cols, pair_mask, rank, scaling, R, IEEE, UPCAST)
+        if BIAS:
+            bias = tl.load(bias_ptr + expert * bias_stride + pair_cols, mask=pair_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        pair = acc.to(gu_ptr.dtype.element_ty)
+        tl.store(gu_ptr + gu_rows + pair_cols[None, :], pair,
+                 mask=row_mask[:, None] & pair_mask[None, :])
+        gate, up = _split_pairs(pair.to(tl.float32), BM, BN)
+    else:
+        gate_cols = cols * col_step
+        up_cols = gate_cols + up_offset
+        acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, k_stop, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_mask = ks < hidden
+            a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
+            w = _w_tile(w_base, ks, k_mask, gate_cols, col_mask, w_sk, w_sn)
+            acc_gate = _mm(a, w, acc_gate, IEEE, UPCAST)
+            w = _w_tile(w_base, ks, k_mask, up_cols, col_mask, w_sk, w_sn)
+            acc_up = _mm(a, w, acc_up, IEEE, UPCAST)
+        if LORA:
+            lb_base = lb_ptr + expert * lb_se
+            acc_gate = _lora_add(acc_gate, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn,
+                                 lb_sr, gate_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
+            acc_up = _lora_add(acc_up, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr,
+                               up_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
+        if BIAS:
+            bias_base = bias_ptr + expert * bias_stride
+            acc_gate += tl.load(bias_base + gate_cols, mask=col_mask,
+                                other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_base + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        gate = acc_gate.to(gu_ptr.dtype.element_ty)
+        up = acc_up.to(gu_ptr.dtype.element_ty)
+        tl.store(gu_ptr + gu_rows + gate_cols[None, :], gate, mask=mask)
+        tl.store(gu_ptr + gu_rows + up_cols[None, :], up, mask=mask)
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
+    h, _, _ = _glu(gate, up, ACT, alpha, limit)
     offsets = rows.to(tl.int64)[:, None] * h_stride + cols[None, :]
     tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -209,9 +247,9 @@ def _glu_backward_kernel(
     tiles_ptr, scaling, alpha, limit, inter, hidden, rank, col_step, up_offset, n_rows,
     dout_stride, w_se, w_sn, w_sk, gd_stride, la_se, la_sn, la_sr, gu_stride, dgu_stride,
     h_stride,
-    LORA: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    LORA: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
     """g = dout[tok] Wd[e] (+ s g_d Ad[e]) for BN intermediate columns; recomputes h from the
     saved gu and stores dgu = w g act'(gu) (may overwrite gu: each element is read first),
@@ -233,20 +271,35 @@ def _glu_backward_kernel(
         g = _lora_add(g, gd_ptr, gd_stride, rows, row_mask, la_ptr + expert * la_se, la_sn,
                       la_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
     mask = row_mask[:, None] & col_mask[None, :]
+    gu_rows = rows.to(tl.int64)[:, None] * gu_stride
+    dgu_rows = rows.to(tl.int64)[:, None] * dgu_stride
+    # INTERLEAVED: gate and up of these columns are 2 BN adjacent gu columns (one contiguous
+    # load and store, split / joined in registers).
+    pair_cols = pid_n * 2 * BN + tl.arange(0, 2 * BN)
+    pair_mask = row_mask[:, None] & (pair_cols < 2 * inter)[None, :]
     gate_cols = cols * col_step
     up_cols = gate_cols + up_offset
-    gu_rows = rows.to(tl.int64)[:, None] * gu_stride
-    gate = tl.load(gu_ptr + gu_rows + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + gu_rows + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        pair = tl.load(gu_ptr + gu_rows + pair_cols[None, :], mask=pair_mask, other=0.0)
+        gate, up = _split_pairs(pair.to(tl.float32), BM, BN)
+    else:
+        gate = tl.load(gu_ptr + gu_rows + gate_cols[None, :], mask=mask, other=0.0)
+        up = tl.load(gu_ptr + gu_rows + up_cols[None, :], mask=mask, other=0.0)
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
     h, d_gate, d_up = _glu(gate, up, ACT, alpha, limit)
     h = h.to(h_ptr.dtype.element_ty).to(tl.float32)  # the forward's rounded h
     weight = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     dh = (g * weight[:, None]).to(dgu_ptr.dtype.element_ty).to(tl.float32)  # as stored by torch
-    dgu_rows = rows.to(tl.int64)[:, None] * dgu_stride
-    tl.store(dgu_ptr + dgu_rows + gate_cols[None, :],
-             (dh * d_gate).to(dgu_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgu_ptr + dgu_rows + up_cols[None, :], (dh * d_up).to(dgu_ptr.dtype.element_ty),
-             mask=mask)
+    if INTERLEAVED:
+        pair = _join_pairs(dh * d_gate, dh * d_up, BM, BN)
+        tl.store(dgu_ptr + dgu_rows + pair_cols[None, :], pair.to(dgu_ptr.dtype.element_ty),
+                 mask=pair_mask)
+    else:
+        tl.store(dgu_ptr + dgu_rows + gate_cols[None, :],
+                 (dh * d_gate).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptr + dgu_rows + up_cols[None, :],
+                 (dh * d_up).to(dgu_ptr.dtype.element_ty), mask=mask)
     if STORE_H:
         offsets = rows.to(tl.int64)[:, None] * h_stride + cols[None, :]
         tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
@@ -299,18 +352,20 @@ def _expert_outer_kernel(
 # ============================================================================ host launchers
 
 
-# (BM, BN, BK, warps, stages) of the grouped GEMMs; the gate/up kernels take BN / 2 (two
-# accumulators). Untuned guesses (vLLM-like fused-MoE tiles), compiled for sm_90 without spills
-# (ptxas: 174-232 registers at 8 warps); module constants so a GPU sweep can set them.
-TILES_16BIT = (64, 128, 64, 8, 3)
+# (BM, BN, BK, warps, stages) of the grouped GEMMs for 16-bit inputs, by kernel: "glu" (the
+# gate/up forward and the down-gradient backward, which take BN / 2 per accumulator: BN is
+# the gu columns a program covers) and "mm" (down forward, dx, the thin LoRA GEMMs). Untuned
+# guesses (vLLM-like fused-MoE tiles), compiled for sm_90 without spills (ptxas: 174-232
+# registers at 8 warps); a module dict so a GPU sweep (tools/tune_moe.py) can set them.
+TILES_16BIT = {"glu": (64, 128, 64, 8, 3), "mm": (64, 128, 64, 8, 3)}
 TILES_FP32 = (32, 64, 32, 4, 2)
 TILES_INTERPRETER = (16, 64, 32, 4, 1)  # few, small programs: the interpreter's cost
 
 
-def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+def _blocks(dtype: torch.dtype, kernel: str = "mm") -> tuple[int, int, int, int, int]:
     if INTERPRET:
         return TILES_INTERPRETER
-    return TILES_FP32 if dtype == torch.float32 else TILES_16BIT
+    return TILES_FP32 if dtype == torch.float32 else TILES_16BIT[kernel]
 
 
 def _padded_rank(rank: int) -> int:
@@ -402,7 +457,7 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
     h = _utils.empty((n_rows, inter), x.dtype, x.device)
     if n_rows == 0 or inter == 0:
         return gu, h
-    bm, bn, bk, warps, stages = _blocks(x.dtype)
+    bm, bn, bk, warps, stages = _blocks(x.dtype, "glu")
     bn //= 2  # two accumulators (gate and up)
     lora = xa is not None and xa.shape[1] > 0
     tiles = route.tiles(bm)
@@ -414,7 +469,8 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
         x.stride(0), *w_gu.stride(), xa.stride(0) if lora else 0,
         *(lb.stride() if lora else (0, 0, 0)), bias.stride(0) if bias is not None else 0,
         gu.stride(0), h.stride(0),
-        LORA=lora, BIAS=bias is not None, ACT=act, IEEE=x.dtype == torch.float32,
+        LORA=lora, BIAS=bias is not None, ACT=act, INTERLEAVED=layout.interleaved,
+        IEEE=x.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )
@@ -425,7 +481,7 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
                   act, alpha, limit):
     """Fill dgu [S, 2I] (may be gu itself); return (h [S, I] or None, d(w) <g, h> [S] fp32)."""
     n_rows, inter = route.n_rows, layout.intermediate
-    bm, bn, bk, warps, stages = _blocks(dout.dtype)
+    bm, bn, bk, warps, stages = _blocks(dout.dtype, "glu")
     bn //= 2  # two accumulators (gate and up)
     col_tiles = max(1, _utils.cdiv(inter, bn))
     h = _utils.empty((n_rows, inter), dout.dtype, dout.device) if store_h else None
@@ -441,7 +497,8 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
         dout.stride(0), *w_d_t.stride(), gd.stride(0) if lora else 0,
         *(la_t.stride() if lora else (0, 0, 0)), gu.stride(0), dgu.stride(0),
         h.stride(0) if store_h else 0,
-        LORA=lora, STORE_H=store_h, ACT=act, IEEE=dout.dtype == torch.float32,
+        LORA=lora, STORE_H=store_h, ACT=act, INTERLEAVED=layout.interleaved,
+        IEEE=dout.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(gd.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )
