@@ -294,8 +294,9 @@ def test_fsdp2_variant_matches_one_process(case, tmp_path):
 
 
 # bf16 parameters in the forward: fusetune's fused loss (fp32 accumulation of bf16 logits)
-# and transformers' bf16 logits round differently; measured on the CPU: see the test.
-MIXED_LOSS_TOL, MIXED_PARAM_TOL = 1e-2, 1e-2
+# and transformers' bf16 logits round differently, and AdamW turns bf16 gradient rounding into
+# update differences. Measured on the CPU (gloo): losses 2.8e-4, parameters 1.6e-3 (worst).
+MIXED_LOSS_TOL, MIXED_PARAM_TOL = 2e-3, 1e-2
 
 
 @TWO_RANKS

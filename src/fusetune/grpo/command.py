@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from fusetune.finetune.precision import CHOICES as PRECISIONS
 from fusetune.finetune.precision import bf16_supported, choose_precision
 from fusetune.finetune.progress import format_duration, format_memory, peak_memory
 from fusetune.grpo import data, rewards
+from fusetune.integrations.trl import FusedHead
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 DEFAULT_OUTPUT = "fusetune-grpo-output"
@@ -92,11 +94,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
         )
     if args.num_generations < 2:
         parser.error("argument --num-generations: GRPO compares at least 2 completions a prompt")
+    if args.batch_size % world_size():
+        parser.error(f"argument --batch-size: {args.batch_size} (the global batch) does not "
+                     f"split over {world_size()} ranks")  # fmt: skip
     args.device = resolve_device(args.device)
+    if args.device.type == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: a GPU a rank
+        args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     if args.lr is None:
         tiny = args.model in models.TINY_MODELS
         args.lr = (3e-3 if args.full else 2e-2) if tiny else 1e-5
     return args
+
+
+def world_size() -> int:
+    """Ranks under torchrun / accelerate launch (1 otherwise): TRL's GRPOTrainer runs on
+    each through accelerate (DDP), each rank on its share of every step's prompts."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def main_rank() -> bool:
+    """Rank 0 (or no torchrun): the one that prints and writes the output."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,15 +140,20 @@ def run(args: argparse.Namespace) -> int:
     precision = choose_precision(args.precision, args.device.type, bf16_supported(args.device))
     tokenizer = tiny_tokenizer() if spec.tiny else _hf_tokenizer(spec)
     mode = "full" if args.full else f"LoRA r={args.lora_r} alpha={args.lora_alpha:g}"
-    print(f"model: {spec.name} ({spec.family}), {mode}; data: {data_name}, {len(prompts)} "
-          f"prompts; rewards: {', '.join(args.reward or rewards.DEFAULT)}; {args.loss_type}, "
-          f"{args.num_generations} generations, beta {args.beta:g}; {precision.describe()}",
-          file=sys.stderr)  # fmt: skip
+    ranks = f"; {world_size()} ranks" if world_size() > 1 else ""
+    if main_rank():
+        print(f"model: {spec.name} ({spec.family}), {mode}; data: {data_name}, {len(prompts)} "
+              f"prompts; rewards: {', '.join(args.reward or rewards.DEFAULT)}; {args.loss_type}, "
+              f"{args.num_generations} generations, beta {args.beta:g}; {precision.describe()}"
+              f"{ranks}",
+              file=sys.stderr)  # fmt: skip
     runs = []
     if args.compare:
         runs.append(train_once(args, spec, precision, tokenizer, prompts, reward_functions, False))
     fused = train_once(args, spec, precision, tokenizer, prompts, reward_functions, True)
     runs.append(fused)
+    if not main_rank():
+        return 0
     saved = save(args, spec, fused.pop("trainer"), tokenizer, runs)
     for result in runs:
         result.pop("trainer", None)
@@ -150,7 +173,8 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
     label = ("TRL + fusetune" if fused else "TRL") + (" (full)" if args.full else " + PEFT")
     config = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="fusetune-grpo-"), max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
+        per_device_train_batch_size=args.batch_size // world_size(),
+        num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
         temperature=args.temperature, loss_type=args.loss_type, seed=args.seed,
@@ -167,7 +191,7 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
     progress = Progress(args.steps, label, args.device)
     trainer.remove_callback(transformers.PrinterCallback)  # our progress line instead
     trainer.add_callback(progress)
-    start = time.perf_counter()
+    start, head_calls = time.perf_counter(), FusedHead.calls
     try:
         trainer.train()
     finally:
@@ -182,6 +206,7 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
         rewards=[e["reward"] for e in logs],
         kl=[e.get("kl", 0.0) for e in logs],
         tokens=progress.tokens,
+        fused_head_calls=FusedHead.calls - head_calls,  # TRL head calls fusetune served
         peak_memory=format_memory(memory, kind),
         trainer=trainer,
     )
@@ -204,7 +229,7 @@ class Progress:
         raise AttributeError(name)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:
+        if not logs or "reward" not in logs or not state.is_world_process_zero:
             return
         self.tokens = int(logs.get("num_tokens", self.tokens))
         step, elapsed = state.global_step, time.perf_counter() - self.start
