@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Multi-GPU checks on a 2-GPU machine (nvidia-h200-x2). Carry .ds (deepspeed 0.19.8 built with
-# DS_BUILD_OPS=0 + hjson, pydantic, pydantic-core, annotated-types, typing-inspection) and
-# .peers (Liger). Logs under $OUT.
-#   bash tools/gpu_distributed.sh tests   # tests/test_distributed.py under NCCL: FSDP2, ZeRO-3
+# DS_BUILD_OPS=0 + hjson, pydantic, pydantic-core, annotated-types, typing-inspection), .trl
+# (trl, datasets, dill, multiprocess) and .peers (Liger). Logs under $OUT.
+#   bash tools/gpu_distributed.sh tests   # under NCCL: FSDP2 (layouts, PEFT LoRA, tied, bf16
+#                                         # MixedPrecisionPolicy), ZeRO-3, grpo under torchrun
 #   bash tools/gpu_distributed.sh bench   # FSDP2 full fine-tuning at 1 and 2 GPUs, 3 variants
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-distributed}
 mkdir -p "$OUT"
-wheels=$(ls .ds/*.whl .peers/*.whl 2>/dev/null)
+wheels=$(ls .ds/*.whl .trl/*.whl .peers/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels
   export PYTHONPATH=/tmp/site
@@ -15,7 +16,8 @@ fi
 export PYTHONPATH=src:tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 case "${1:-tests}" in
   tests)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 \
+    timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py \
+      tests/test_grpo_distributed.py 2>&1 \
       | tee "$OUT/distributed-tests.log" | tail -30
     ;;
   bench)
