@@ -85,7 +85,7 @@ class _ChunkRun:
 
     def __init__(self, plan: _Plan, v: torch.Tensor) -> None:
         device, f32 = v.device, torch.float32
-        self.bt = gdr_chunk.chunk_size(_utils.INTERPRET)
+        self.bt = gdr_chunk.chunk_size(_utils.INTERPRET, plan.key_dim)
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
         slots = self.max_chunks + plan.n_seq + 1 if plan.varlen else plan.n_seq * self.max_chunks
         rows = (plan.batch, plan.seq_len, plan.value_heads)
@@ -100,7 +100,8 @@ class _ChunkRun:
         # on the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on
         # dg in fp16 (issue 20, item 4). The chunk kernels' FLOPs are small enough to afford it.
         self.common = dict(GROUP=plan.group, K=plan.key_dim, BT=self.bt, BK=plan.BK,
-                           VARLEN=plan.varlen, DOT=gdr_chunk.dot_mode(), num_warps=4)
+                           VARLEN=plan.varlen, DOT=gdr_chunk.dot_mode(), num_warps=4,
+                           num_stages=1)  # shared memory: see gdr_chunk's SHARED MEMORY
         # The per-chunk kernels hold many [BT, K] and [BT, V] tiles: more warps, fewer
         # registers a thread.
         self.wide = dict(self.common, num_warps=8)
@@ -168,7 +169,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         plan.seq_len, plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
         **run.common,
     )
-    block = min(max(16, _utils.next_power_of_2(plan.value_dim)), gdr_chunk.BWD_BLOCK_V)
+    block_cap = gdr_chunk.BWD_BLOCK_V if plan.key_dim <= 128 else min(gdr_chunk.BWD_BLOCK_V, 32)
+    block = min(max(16, _utils.next_power_of_2(plan.value_dim)), block_cap)
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
         q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf,
         dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),

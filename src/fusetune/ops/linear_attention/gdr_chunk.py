@@ -22,15 +22,29 @@ from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention._common import sequence_bounds
 
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
-BWD_BLOCK_V = 64  # value columns a program of bwd_chunk_kernel (tests lower it)
+BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
+# SHARED MEMORY (H100: 232448 bytes a block). Triton stages every tl.dot operand through shared
+# memory (fp32 for IEEE products: a [64, 128] tile is 32 KB) and, with num_stages > 1, keeps
+# num_stages copies of the loads inside loops. At K = V = 128, chunk 64, num_stages 3 (Triton's
+# default) states_kernel took 182 KB, dstates_kernel 280 KB and bwd_chunk_kernel 311 KB (the
+# GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel: the
+# sequential loops gain nothing from prefetch (each step waits on the previous one's state).
+# Measured by compiling for sm_90 offline (Triton 3.9, ``triton.compile`` with
+# GPUTarget("cuda", 90, 32), metadata.shared; bytes, num_stages=1):
+#   K = V = 128, BT 64:  wy 32768 (8 warps), states 65536 (BV 64; the launcher uses 32),
+#                        output 114688 (BVA 64), dstates 147456 (BV 64), bwd_chunk 164096 (BVA 64)
+#   K = V = 256, BT 64:  output 212992, dstates 237568, bwd_chunk 295168: too close or over,
+#                        hence chunk 32 for K > 128 (chunk_size) with BVA 32:
+#   K = V = 256, BT 32:  output 139264, dstates 110592 (BV 32), bwd_chunk 139392 (BVA 32)
 
 
-def chunk_size(interpreting: bool) -> int:
-    """64 on the GPU (``FUSETUNE_GDR_CHUNK=16|32|64`` overrides it, for measuring); 16 under
+def chunk_size(interpreting: bool, key_dim: int = 128) -> int:
+    """64 on the GPU up to K = 128, 32 above (the [BT, K] fp32 tiles in shared memory: see
+    SHARED MEMORY below); ``FUSETUNE_GDR_CHUNK=16|32|64`` overrides it, for measuring. 16 under
     the interpreter, so that the tests' short sequences cross several chunks."""
     if interpreting:
         return INTERPRET_CHUNK
-    size = int(os.environ.get("FUSETUNE_GDR_CHUNK", "64"))
+    size = int(os.environ.get("FUSETUNE_GDR_CHUNK", "64" if key_dim <= 128 else "32"))
     if size not in (16, 32, 64):
         raise ValueError(f"FUSETUNE_GDR_CHUNK must be 16, 32 or 64, got {size}")
     return size
