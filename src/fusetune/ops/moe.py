@@ -55,18 +55,24 @@ def _mm(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile(tiles_ptr, n_cols, BM: tl.constexpr, BN: tl.constexpr):
-    """(expert, rows, row mask, non-empty, column tile) of this program. One flat grid, the
-    column tiles of one row tile adjacent: they share its rows (gathered, read once from HBM)
-    and, with the next row tiles of the same expert, its weights, while both sit in L2."""
+def _tile(tiles_ptr, n_cols, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """(expert, rows, row mask, non-empty, column tile) of this program. One flat grid in
+    groups of GROUP row tiles: within a group the row tiles vary fastest, so the programs
+    running at once share a few weight column slabs and gathered row tiles in L2 (at gpt-oss's
+    widths one expert's gate_up is 33 MB: streaming all its columns per row tile misses L2)."""
     pid = tl.program_id(0)
     col_tiles = tl.cdiv(n_cols, BN)
-    pid_m = pid // col_tiles
+    row_tiles = tl.num_programs(0) // col_tiles
+    per_group = GROUP * col_tiles
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(row_tiles - first, GROUP)
+    pid_m = first + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
     expert = tl.load(tiles_ptr + 3 * pid_m)
     row0 = tl.load(tiles_ptr + 3 * pid_m + 1)
     row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
     rows = row0 + tl.arange(0, BM)
-    return expert.to(tl.int64), rows, rows < row_end, row0 < row_end, pid % col_tiles
+    return expert.to(tl.int64), rows, rows < row_end, row0 < row_end, pid_n
 
 
 @triton.jit
@@ -129,11 +135,11 @@ def _grouped_mm_kernel(
     a_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, out_stride,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):
     """out[dst(r)] = (a[src(r)] @ w[e]^T + s xa[r] lb[e]^T + bias[e]) * scale[r] for the rows r
     of one tile of expert e; w[e] is [n_out, k_in] with any strides."""
-    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, n_out, BM, BN)
+    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, n_out, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < n_out
     src = rows
@@ -172,13 +178,13 @@ def _glu_forward_kernel(
     h_stride,
     LORA: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):
     """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
     at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up).
     INTERLEAVED: one accumulator over 2 BN adjacent gu columns (contiguous weight loads: a
     stride-2 gather defeats vectorized / async loads), split into gate and up in registers."""
-    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN)
+    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     mask = row_mask[:, None] & col_mask[None, :]
@@ -249,12 +255,12 @@ def _glu_backward_kernel(
     h_stride,
     LORA: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
 ):
     """g = dout[tok] Wd[e] (+ s g_d Ad[e]) for BN intermediate columns; recomputes h from the
     saved gu and stores dgu = w g act'(gu) (may overwrite gu: each element is read first),
     optionally h, and the fp32 partial row sums <g, h> of d(w) at [column tile, row]."""
-    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN)
+    expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
@@ -352,17 +358,18 @@ def _expert_outer_kernel(
 # ============================================================================ host launchers
 
 
-# (BM, BN, BK, warps, stages) of the grouped GEMMs for 16-bit inputs, by kernel: "glu" (the
+# (BM, BN, BK, warps, stages, group) of the grouped GEMMs (group: row tiles per L2 group, see
+# _tile) for 16-bit inputs, by kernel: "glu" (the
 # gate/up forward and the down-gradient backward, which take BN / 2 per accumulator: BN is
 # the gu columns a program covers) and "mm" (down forward, dx, the thin LoRA GEMMs). Untuned
 # guesses (vLLM-like fused-MoE tiles), compiled for sm_90 without spills (ptxas: 174-232
 # registers at 8 warps); a module dict so a GPU sweep (tools/tune_moe.py) can set them.
-TILES_16BIT = {"glu": (64, 128, 64, 8, 3), "mm": (64, 128, 64, 8, 3)}
-TILES_FP32 = (32, 64, 32, 4, 2)
-TILES_INTERPRETER = (16, 64, 32, 4, 1)  # few, small programs: the interpreter's cost
+TILES_16BIT = {"glu": (64, 128, 64, 8, 3, 8), "mm": (64, 128, 64, 8, 3, 8)}
+TILES_FP32 = (32, 64, 32, 4, 2, 8)
+TILES_INTERPRETER = (16, 64, 32, 4, 1, 2)  # few, small programs: the interpreter's cost
 
 
-def _blocks(dtype: torch.dtype, kernel: str = "mm") -> tuple[int, int, int, int, int]:
+def _blocks(dtype: torch.dtype, kernel: str = "mm") -> tuple[int, ...]:
     if INTERPRET:
         return TILES_INTERPRETER
     return TILES_FP32 if dtype == torch.float32 else TILES_16BIT[kernel]
@@ -422,7 +429,7 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
     n_out, k_in = w.shape[1], w.shape[2]
     if route.n_rows == 0 or n_out == 0:
         return out
-    bm, bn, bk, warps, stages = _blocks(a.dtype)
+    bm, bn, bk, warps, stages, group = _blocks(a.dtype)
     if n_out <= 32:
         bn = max(16, _utils.next_power_of_2(n_out))
     tiles = route.tiles(bm)
@@ -438,8 +445,8 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
         bias.stride(0) if bias is not None else 0, out.stride(0),
         GATHER=gather, SCATTER=scatter, LORA=lora, BIAS=bias is not None,
         SCALE=scale is not None, IEEE=a.dtype == torch.float32, UPCAST=INTERPRET,
-        R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk, num_warps=warps,
-        num_stages=stages,
+        R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
+        GROUP=group, num_warps=warps, num_stages=stages,
     )
     del dummy
     return out
@@ -457,7 +464,7 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
     h = _utils.empty((n_rows, inter), x.dtype, x.device)
     if n_rows == 0 or inter == 0:
         return gu, h
-    bm, bn, bk, warps, stages = _blocks(x.dtype, "glu")
+    bm, bn, bk, warps, stages, group = _blocks(x.dtype, "glu")
     bn //= 2  # two accumulators (gate and up)
     lora = xa is not None and xa.shape[1] > 0
     tiles = route.tiles(bm)
@@ -472,7 +479,7 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
         LORA=lora, BIAS=bias is not None, ACT=act, INTERLEAVED=layout.interleaved,
         IEEE=x.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
+        GROUP=group, num_warps=warps, num_stages=stages,
     )
     return gu, h
 
@@ -481,7 +488,7 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
                   act, alpha, limit):
     """Fill dgu [S, 2I] (may be gu itself); return (h [S, I] or None, d(w) <g, h> [S] fp32)."""
     n_rows, inter = route.n_rows, layout.intermediate
-    bm, bn, bk, warps, stages = _blocks(dout.dtype, "glu")
+    bm, bn, bk, warps, stages, group = _blocks(dout.dtype, "glu")
     bn //= 2  # two accumulators (gate and up)
     col_tiles = max(1, _utils.cdiv(inter, bn))
     h = _utils.empty((n_rows, inter), dout.dtype, dout.device) if store_h else None
@@ -500,7 +507,7 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
         LORA=lora, STORE_H=store_h, ACT=act, INTERLEAVED=layout.interleaved,
         IEEE=dout.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(gd.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
+        GROUP=group, num_warps=warps, num_stages=stages,
     )
     return h, partial.sum(0)
 
