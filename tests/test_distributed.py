@@ -10,6 +10,7 @@ machine with 2 GPUs. DeepSpeed ZeRO-3 runs the same check on the GPU machine
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import warnings
 
@@ -233,32 +234,33 @@ def counted_run(model, rank, device, patch: bool, policy=None) -> dict:
     return {"losses": losses, "params": params, "calls": len(calls)}
 
 
-def variant_worker(rank: int, case: str, init_file: str, results: str) -> None:
+# one process group runs every case (a spawn of 2 ranks costs seconds of imports on the CPU)
+CASES = ("lora", "tied", "mixed") if importlib.util.find_spec("peft") else ("tied", "mixed")
+
+
+def variant_worker(rank: int, init_file: str, results: str) -> None:
+    """Each case's runs on this rank: {case: {"fusetune": run}} (+ "hf" for "mixed")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     dist.init_process_group(BACKEND, init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)  # fmt: skip
     device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
     if NCCL:
         torch.cuda.set_device(device)
     runs = {}
-    if case == "mixed":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for case in CASES:
         model = variant_model(case).to(device)
-        runs["hf"] = counted_run(copy.deepcopy(model), rank, device, False, policy)
-        runs["fusetune"] = counted_run(model, rank, device, True, policy)
-    else:
-        runs["fusetune"] = counted_run(variant_model(case).to(device), rank, device, True)
+        if case == "mixed":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            runs[case] = {
+                "hf": counted_run(copy.deepcopy(model), rank, device, False, policy),
+                "fusetune": counted_run(model, rank, device, True, policy),
+            }
+        else:
+            runs[case] = {"fusetune": counted_run(model, rank, device, True)}
     if rank == 0:
         torch.save(runs, results)
     dist.destroy_process_group()
-
-
-def spawn_variant(case: str, tmp_path) -> dict:
-    results = tmp_path / "rank0.pt"
-    mp.spawn(variant_worker, args=(case, str(tmp_path / "init"), str(results)),
-             nprocs=WORLD, join=True)  # fmt: skip
-    return torch.load(results)
 
 
 TWO_RANKS = pytest.mark.skipif(
@@ -266,19 +268,27 @@ TWO_RANKS = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module")
+def variant_runs(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("fsdp2-variants")
+    results = folder / "rank0.pt"
+    mp.spawn(variant_worker, args=(str(folder / "init"), str(results)), nprocs=WORLD, join=True)
+    return torch.load(results)
+
+
 @TWO_RANKS
 @pytest.mark.parametrize("case", ["lora", "tied"])
-def test_fsdp2_variant_matches_one_process(case, tmp_path):
+def test_fsdp2_variant_matches_one_process(case, variant_runs):
     """PEFT LoRA (adapters trained, base frozen, fusetune.apply on the PeftModel) and tied
     embeddings (the head's weight is the embedding, in the root group) under fully_shard:
     2 ranks equal one process in fp32, the fused loss on every step."""
-    if case == "lora":
-        pytest.importorskip("peft")
+    if case not in CASES:
+        pytest.skip("peft is not installed")
     model = variant_model(case)
     want_model = copy.deepcopy(model)
     fusetune.apply(want_model)
     want = train(want_model, batches(model.config.vocab_size), torch.device("cpu"))
-    got = spawn_variant(case, tmp_path)["fusetune"]
+    got = variant_runs[case]["fusetune"]
     assert got["calls"] == STEPS, got["calls"]
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want), 1e-5)
     trained = 0
@@ -287,10 +297,11 @@ def test_fsdp2_variant_matches_one_process(case, tmp_path):
         trained += param.requires_grad
     if case == "lora":  # only the adapters train
         assert trained == 2 * 2 * 2, trained  # 2 layers x (q, v) x (A, B)
-        moved = [n for n in got["params"] if "lora_" not in n]
-        base = variant_model(case)
-        for name in moved:
-            assert torch.equal(got["params"][name], dict(base.named_parameters())[name])
+        initial = dict(variant_model(case).named_parameters())
+        for name in (n for n in got["params"] if "lora_" not in n):
+            assert torch.equal(got["params"][name], initial[name]), name
+    else:  # one tensor: the head is the embedding
+        assert want_model.lm_head.weight is want_model.model.embed_tokens.weight
 
 
 # bf16 parameters in the forward: fusetune's fused loss (fp32 accumulation of bf16 logits)
@@ -300,12 +311,11 @@ MIXED_LOSS_TOL, MIXED_PARAM_TOL = 2e-3, 1e-2
 
 
 @TWO_RANKS
-def test_fsdp2_mixed_precision_matches_unpatched(tmp_path):
+def test_fsdp2_mixed_precision_matches_unpatched(variant_runs):
     """MixedPrecisionPolicy(bf16 parameters, fp32 reductions) with and without fusetune on
     the same 2 ranks: the fused loss on every step, losses and fp32 parameters within bf16
     rounding of transformers' own run under the same policy."""
-    runs = spawn_variant("mixed", tmp_path)
-    want, got = runs["hf"], runs["fusetune"]
+    want, got = variant_runs["mixed"]["hf"], variant_runs["mixed"]["fusetune"]
     assert want["calls"] == 0 and got["calls"] == STEPS, (want["calls"], got["calls"])
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]),
                  MIXED_LOSS_TOL)  # fmt: skip
