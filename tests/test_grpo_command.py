@@ -42,6 +42,31 @@ def test_default_run_learns_and_saves(tmp_path):
     assert record["command"] == "grpo" and len(record["runs"][0]["rewards"]) == 20
 
 
+def _grpo(*argv: str) -> subprocess.CompletedProcess:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("FUSETUNE_INTERPRET", "TRITON_INTERPRET")
+    }
+    command = [sys.executable, "-m", "fusetune", "grpo", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_resume_continues_to_the_same_adapter(tmp_path):
+    """TRL's checkpoints every --save-every steps in OUTPUT/checkpoint-<step>; a run stopped at
+    step 2 and resumed to step 4 ends with the uninterrupted run's adapter, byte for byte."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert _grpo("--steps", "4", "--save-every", "2", "--output", str(whole)).returncode == 0
+    assert _grpo("--steps", "2", "--save-every", "2", "--output", str(resumed)).returncode == 0
+    again = _grpo("--steps", "2", "--save-every", "2", "--output", str(resumed))
+    assert again.returncode == 2 and "holds an earlier run's checkpoints" in again.stderr
+    done = _grpo("--steps", "4", "--save-every", "2", "--output", str(resumed), "--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {p.name for p in resumed.iterdir()} >= {"checkpoint-2", "checkpoint-4"}
+    adapter = "adapter_model.safetensors"
+    assert (resumed / adapter).read_bytes() == (whole / adapter).read_bytes()
+    bad = _grpo("--output", str(tmp_path / "new"), "--resume", str(tmp_path))
+    assert bad.returncode == 2 and "not a checkpoint" in bad.stderr
+
+
 def test_rewards():
     assert rewards.exact_answer(["1+1="], ["2 apples", "x"], answer=["2", "2"])[0] == 1.0
     assert rewards.exact_answer(["1+1="], ["-3"], answer=["3"]) == [0.0]

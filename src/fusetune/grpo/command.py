@@ -31,7 +31,7 @@ from fusetune.finetune.args import (
 )
 from fusetune.finetune.command import _add_lora, _release
 from fusetune.finetune.errors import FinetuneError
-from fusetune.finetune.output import MARKER, check_output, staged_output
+from fusetune.finetune.output import MARKER, check_output, checkpoint_folders, staged_output
 from fusetune.finetune.precision import CHOICES as PRECISIONS
 from fusetune.finetune.precision import bf16_supported, choose_precision
 from fusetune.finetune.progress import format_duration, format_memory, peak_memory
@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=PRECISIONS, default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    parser.add_argument("--save-every", type=_positive_int, default=None, metavar="N",
+                        help="a checkpoint (TRL's: adapter or model, optimizer, scheduler, RNG "
+                             "states, step) in OUTPUT/checkpoint-<step> every N steps")  # fmt: skip
+    parser.add_argument("--keep-checkpoints", type=_positive_int, default=2, metavar="K")
+    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                        help="continue from PATH, or from OUTPUT's latest checkpoint")  # fmt: skip
     parser.add_argument(
         "--compare", action="store_true", help="first the same run without fusetune"
     )
@@ -133,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output(Path(args.output))
+    check_output(Path(args.output), resuming=args.resume is not None)
+    if isinstance(args.resume, str) and not (Path(args.resume) / "trainer_state.json").is_file():
+        raise FinetuneError(f"--resume {args.resume}: not a checkpoint (no trainer_state.json)")
     prompts, data_name = data.load_prompts(args.data)
     reward_functions = [rewards.resolve(name) for name in (args.reward or rewards.DEFAULT)]
     spec = models.resolve(args.model)
@@ -171,15 +179,19 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
     model = models.build(spec, precision.weight_dtype(args.full), args.device, args.seed)
     model = model.requires_grad_(True) if args.full else _add_lora(model, args)
     label = ("TRL + fusetune" if fused else "TRL") + (" (full)" if args.full else " + PEFT")
+    saving = fused and args.save_every is not None  # checkpoints: the fusetune run's only
+    output_dir = args.output if saving else tempfile.mkdtemp(prefix="fusetune-grpo-")
     config = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="fusetune-grpo-"), max_steps=args.steps,
+        output_dir=output_dir, max_steps=args.steps,
         per_device_train_batch_size=args.batch_size // world_size(),
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
         temperature=args.temperature, loss_type=args.loss_type, seed=args.seed,
         bf16=precision.name == "bf16", fp16=precision.name == "fp16",
-        use_cpu=args.device.type == "cpu", logging_steps=1, save_strategy="no",
+        use_cpu=args.device.type == "cpu", logging_steps=1,
+        save_strategy="steps" if saving else "no", save_steps=args.save_every or 500,
+        save_total_limit=args.keep_checkpoints,
         report_to="none", disable_tqdm=True,
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
@@ -193,7 +205,7 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
     trainer.add_callback(progress)
     start, head_calls = time.perf_counter(), FusedHead.calls
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=_resume_point(args) if fused else None)
     finally:
         progress.close()
         if fused:
@@ -210,6 +222,14 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
         peak_memory=format_memory(memory, kind),
         trainer=trainer,
     )
+
+
+def _resume_point(args) -> str | None:
+    """``--resume``'s checkpoint: its PATH, or the output's latest (None: none yet, step 1)."""
+    if args.resume is None or isinstance(args.resume, str):
+        return args.resume
+    latest = checkpoint_folders(Path(args.output))
+    return str(max(latest, key=lambda p: int(p.name.rsplit("-", 1)[-1]))) if latest else None
 
 
 class Progress:
