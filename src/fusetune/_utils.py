@@ -217,6 +217,34 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors must be on one device, got {listed}")
 
 
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> int:
+    """Packed-sequence offsets ``cu_seqlens`` [N + 1] of a linear-attention op over [1, T, ...]
+    inputs; returns N. Values are checked for CPU tensors outside torch.compile only (on the
+    GPU it would cost a host sync; the kernels clamp every offset into [0, T] instead)."""
+    check_integer("cu_seqlens", cu_seqlens)
+    check_ndim("cu_seqlens", cu_seqlens, (1,), "1-D [N + 1]")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            f"cu_seqlens must hold N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if batch != 1:
+        raise ValueError(
+            f"with cu_seqlens the batch size must be 1 (sequences packed along time), got B = "
+            f"{batch}"
+        )
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        values = cu_seqlens.tolist()
+        if values[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+        if any(b < a for a, b in zip(values, values[1:], strict=False)):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
+        if values[-1] != seq_len:
+            raise ValueError(
+                f"cu_seqlens must end at T = {seq_len} (the packed length), got {values[-1]}"
+            )
+    return cu_seqlens.shape[0] - 1
+
+
 def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -50,21 +50,6 @@ def mm(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def sequence_bounds(cu_ptr, i_n, T, VARLEN: tl.constexpr):
-    """(batch index, first token, end token) of sequence ``i_n``; offsets clamped into [0, T]
-    so that a bad cu_seqlens on the GPU (not value-checked there: that needs a host sync) never
-    reads out of bounds."""
-    i_b = i_n
-    bos = i_n * 0
-    eos = bos + T
-    if VARLEN:
-        i_b = i_n * 0
-        bos = tl.minimum(tl.maximum(tl.load(cu_ptr + i_n).to(tl.int64), 0), eos)
-        eos = tl.minimum(tl.maximum(tl.load(cu_ptr + i_n + 1).to(tl.int64), bos), eos)
-    return i_b, bos, eos
-
-
-@triton.jit
 def load_gate(ptr, mask):
     return tl.maximum(tl.load(ptr, mask=mask, other=0.0).to(tl.float32), -88.0)
 

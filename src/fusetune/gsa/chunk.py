@@ -34,9 +34,9 @@ from fusetune.gsa._common import (
     load_hv,
     mm,
     mm_inputs,
-    sequence_bounds,
     store_states,
 )
+from fusetune.ops.linear_attention._common import sequence_bounds
 
 SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
 # S: tokens per chunk; one pair of fp32 states is kept per S tokens (recomputed in backward).

@@ -11,7 +11,8 @@ All three kernels share one argument order with the chunked ones (``chunk.py``).
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import load_gate, load_hk, load_hv, sequence_bounds, store_states
+from fusetune.gsa._common import load_gate, load_hk, load_hv, store_states
+from fusetune.ops.linear_attention._common import sequence_bounds
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:

@@ -97,7 +97,7 @@ def check_gated_delta_args(
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    n_seq = batch if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, batch, seq_len)
+    n_seq = batch if cu_seqlens is None else _utils.check_cu_seqlens(cu_seqlens, batch, seq_len)
     shapes = Shapes(batch, seq_len, key_heads, value_heads, key_dim, value_dim, n_seq)
     if initial_state is not None:
         _utils.check_floating("initial_state", initial_state)
@@ -111,33 +111,6 @@ def check_gated_delta_args(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
     return shapes
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> int:
-    _utils.check_integer("cu_seqlens", cu_seqlens)
-    _utils.check_ndim("cu_seqlens", cu_seqlens, (1,), "1-D [N + 1]")
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError(
-            f"cu_seqlens must hold N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}"
-        )
-    if batch != 1:
-        raise ValueError(
-            f"with cu_seqlens the batch size must be 1 (sequences packed along time), got B = "
-            f"{batch}"
-        )
-    # Value checks need the values on the host: CPU tensors outside torch.compile only. The
-    # kernels clamp every offset into [0, T], so a bad one on the GPU never reads out of bounds.
-    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
-        values = cu_seqlens.tolist()
-        if values[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
-        if any(b < a for a, b in zip(values, values[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
-        if values[-1] != seq_len:
-            raise ValueError(
-                f"cu_seqlens must end at T = {seq_len} (the packed length), got {values[-1]}"
-            )
-    return cu_seqlens.shape[0] - 1
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""What the linear-attention kernels share: sequence bounds of (packed) sequences and the host
-view of [B, T, H, ...] strides. (GSA, still in ``fusetune/gsa``, keeps its own copies until it
-moves here.)"""
+"""What the linear-attention kernels share: sequence bounds of (packed) sequences (Gated
+DeltaNet's kernels and GSA's, still in ``fusetune/gsa``) and the host view of [B, T, H, ...]
+strides."""
 
 from __future__ import annotations
 
