@@ -482,12 +482,9 @@ def _fused_loss_forward(
     already shifted; ignore_index). A mixture of experts' ``output_router_logits`` (the
     keyword, else its config) adds the router's load-balancing loss times
     ``router_aux_loss_coef``, with transformers' own function."""
-    routed_aux = False
-    if output_class.__name__.startswith("Moe"):
-        routed_aux = kwargs.get("output_router_logits")
-        if routed_aux is None:
-            routed_aux = getattr(model.config, "output_router_logits", False)
-        kwargs["output_router_logits"] = routed_aux
+    moe = "aux_loss" in output_class.__dataclass_fields__  # MoeCausalLMOutputWithPast
+    if moe and kwargs.get("output_router_logits") is None:
+        kwargs["output_router_logits"] = getattr(model.config, "output_router_logits", False)
     outputs = getattr(model, model.base_model_prefix)(**kwargs)
     hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
     shift_labels = kwargs.get("shift_labels")
@@ -510,18 +507,11 @@ def _fused_loss_forward(
 
     loss = run_inside(head, loss_of, hidden) if inside else loss_of(hidden)
     extra = {}
-    if output_class.__name__.startswith("Moe"):
-        extra = dict(router_logits=outputs.router_logits, aux_loss=None)
-        if routed_aux:
-            aux = family.modeling.load_balancing_loss_func(
-                outputs.router_logits,
-                model.num_experts,
-                model.num_experts_per_tok,
-                kwargs.get("attention_mask"),
-            )
-            if isinstance(aux, torch.Tensor):  # 0 without router logits (GraniteMoe 5.17)
-                loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
-            extra["aux_loss"] = aux
+    if moe:
+        aux = _router_aux_loss(family, model, outputs, kwargs)
+        if isinstance(aux, torch.Tensor):  # 0 without router logits (GraniteMoe 5.17)
+            loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        extra = dict(router_logits=outputs.router_logits, aux_loss=aux)
     output = output_class(
         loss=loss,
         logits=None,
@@ -533,3 +523,16 @@ def _fused_loss_forward(
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     return output if return_dict else output.to_tuple()
+
+
+def _router_aux_loss(family: Family, model, outputs, kwargs: dict):
+    """transformers' load-balancing loss of the router logits, or None when they were not
+    asked for (as the MoE causal-LM forwards compute it)."""
+    if not kwargs["output_router_logits"]:
+        return None
+    return family.modeling.load_balancing_loss_func(
+        outputs.router_logits,
+        model.num_experts,
+        model.num_experts_per_tok,
+        kwargs.get("attention_mask"),
+    )
