@@ -57,7 +57,8 @@ from fusetune.bench.harness import Case, environment, register, synchronize
 SEQ_LEN = 2048
 RANK, ALPHA = 16, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune")
+VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+compile")
+DEFAULT_VARIANTS = VARIANTS[:3]  # +compile: fusetune with its decoder layers compiled (opt-in)
 GIB = float(1024**3)
 RESULT_TAG = "E2E_RESULT "
 WORKER_TIMEOUT_S = 600
@@ -234,10 +235,12 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
             torch.nn.init.normal_(param, std=0.02)
-    if variant == "hf+peft+fusetune":
+    if variant.startswith("hf+peft+fusetune"):
         from fusetune.integrations import transformers as hf_integration
 
         hf_integration.apply(model)
+        if variant.endswith("+compile"):
+            hf_integration.compile_layers(model, mode=os.environ.get("FUSETUNE_COMPILE_MODE"))
     return model
 
 
@@ -596,7 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(DEFAULT_SHAPES),
         help=f"of {', '.join(SHAPES)} (default: %(default)s)",
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="(default: %(default)s)")
+    parser.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help="(default: %(default)s)"
+    )
     parser.add_argument("--batch", type=int, default=None, help="(default: 4 Llama, 8 Qwen)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median; 5)")

@@ -68,6 +68,7 @@ __all__ = [
     "SUPPORTED_FAMILIES",
     "TESTED_TRANSFORMERS",
     "apply",
+    "compile_layers",
     "family_table",
     "patched",
     "revert",
@@ -451,6 +452,35 @@ def apply(
     if lora:
         _apply_lora(model_or_model_type, model)
     return model_or_model_type
+
+
+def compile_layers(model: torch.nn.Module, **compile_options: object) -> int:
+    """Compile the decoder stack of ``model`` in place, after :func:`apply`: the module that
+    holds the decoder layers (``model.model`` of a causal LM) becomes one graph. The layers'
+    Python (PEFT's LoRA dispatch, fusetune's wrappers, the glue between kernels) then runs
+    once at trace time instead of every step; fusetune's kernels stay opaque custom ops in
+    the graph. The stack is compiled whole, not layer by layer: each layer's patched forward
+    is its own object, so per-layer graphs would recompile for every layer. The loss head
+    stays eager (its fused loss is one kernel call already).
+
+    Args:
+        model: a transformers model, or a PEFT / TRL wrapper around one.
+        compile_options: passed to ``torch.compile`` (``mode``, ``dynamic``, ...).
+
+    Returns:
+        How many decoder layers the compiled stack holds.
+
+    Raises:
+        ValueError: ``model`` holds no module with a ``layers`` list of decoder layers.
+    """
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and any(
+            type(layer).__name__.endswith("DecoderLayer") for layer in layers
+        ):
+            module.compile(**compile_options)
+            return len(layers)
+    raise ValueError(f"model: no decoder layers found in {type(model).__name__}")
 
 
 def revert(model_or_model_type):
