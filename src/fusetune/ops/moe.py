@@ -364,7 +364,10 @@ def _expert_outer_kernel(
 # the gu columns a program covers) and "mm" (down forward, dx, the thin LoRA GEMMs). Untuned
 # guesses (vLLM-like fused-MoE tiles), compiled for sm_90 without spills (ptxas: 174-232
 # registers at 8 warps); a module dict so a GPU sweep (tools/tune_moe.py) can set them.
-TILES_16BIT = {"glu": (64, 128, 64, 8, 3, 8), "mm": (64, 128, 64, 8, 3, 8)}
+# tools/tune_moe.py on the H100 (docs/bench/moe-tune-h100-2026-11-24.txt), fwd+bwd, LoRA r16, 8192
+# tokens: (128, 128, 64, 8 warps, 4 stages, group 8) was best for both shapes: Qwen3-30B-A3B
+# 6.41 -> 5.97 ms, gpt-oss-20b 13.94 -> 11.38 ms against the previous (64, 128, 64, 8, 3, 8).
+TILES_16BIT = {"glu": (128, 128, 64, 8, 4, 8), "mm": (128, 128, 64, 8, 4, 8)}
 TILES_FP32 = (32, 64, 32, 4, 2, 8)
 TILES_INTERPRETER = (16, 64, 32, 4, 1, 2)  # few, small programs: the interpreter's cost
 
