@@ -12,7 +12,7 @@ from fusetune import (
 )
 from fusetune._utils import backend
 from fusetune.gsa import gated_slot_attention
-from fusetune.integrations.transformers import apply, revert
+from fusetune.integrations.transformers import apply, compile_layers, revert
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
@@ -34,6 +34,7 @@ __all__ = [
     "add_rms_norm",
     "apply",
     "backend",
+    "compile_layers",
     "cross_entropy",
     "dequantize_4bit",
     "gated_delta_rule",

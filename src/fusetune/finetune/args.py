@@ -18,6 +18,8 @@ DEFAULT_OUTPUT = "fusetune-finetune-output"
 DEFAULT_LR = {(False, False): 2e-4, (False, True): 2e-5, (True, False): 3e-3, (True, True): 1e-3}
 # --resume with no PATH: the latest checkpoint under --output.
 LATEST = "latest"
+# --compile MODE: torch.compile modes, and aot_eager (a backend: tracing without Inductor).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "aot_eager")
 
 
 def _positive_int(text: str) -> int:
@@ -132,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="QLoRA: quantise the base's linear layers to NF4 (bitsandbytes' format, double "
         "quantisation) at load; LoRA only; needs bitsandbytes",
     )
+    how.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        choices=COMPILE_MODES,
+        default=None,
+        metavar="MODE",
+        help="torch.compile the decoder stack after fusetune (fusetune.compile_layers): MODE "
+        "default (Inductor), reduce-overhead (Inductor + CUDA graphs), max-autotune, or "
+        "aot_eager (traced, no Inductor: quick, for debugging); the steps that compile are left "
+        "out of tokens/s",
+    )
     how.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     how.add_argument(
         "--precision",
@@ -199,6 +213,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.compare and (args.save_every or args.resume):
         build_parser().error("argument --compare: runs without checkpoints (no --save-every, "
                              "--resume)")  # fmt: skip
+    if args.compile and args.gradient_checkpointing == "offload":
+        build_parser().error(
+            "argument --compile: not with --gradient-checkpointing offload (its reentrant "
+            "checkpoint and host-copy hooks do not trace into one graph); use "
+            "--gradient-checkpointing on"
+        )
     args.device = resolve_device(args.device)
     if args.lr is None:
         args.lr = DEFAULT_LR[(args.model in TINY_MODELS, args.full)]

@@ -183,7 +183,18 @@ def describe(plan: Plan) -> dict[str, str]:
             if args.gradient_checkpointing
             else ""
         ),
+        **_describe_compile(args),
         **_describe_checkpoints(plan),
+    }
+
+
+def _describe_compile(args: argparse.Namespace) -> dict[str, str]:
+    if not args.compile:
+        return {}
+    how = "aot_eager backend" if args.compile == "aot_eager" else f"mode {args.compile}"
+    return {
+        "compile": f"on: the decoder stack is one torch.compile graph ({how}); the steps that "
+        "compile are left out of tokens/s"
     }
 
 
@@ -226,6 +237,11 @@ def train_once(
 
         hf_integration.apply(model)
     label = f"{base} + fusetune" if fused else base
+    if args.compile:
+        # after everything that changes the layers' forwards (checkpointing, LoRA, apply) and
+        # on the baseline too, so that --compare measures fusetune's kernels, not the compiler
+        _compile(model, args.compile)
+        label += " + compile" + ("" if args.compile == "default" else f" ({args.compile})")
     if checkpoints is not None:
         check_space(Path(args.output), checkpoint.estimate_bytes(model), "a checkpoint")
     if args.ranks.world > 1:
@@ -233,10 +249,21 @@ def train_once(
         label += f" on {args.ranks.world} ranks (FSDP2)"
     settings = TrainSettings(
         args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks,
-        args.lr_schedule, args.warmup_steps, args.skip_nonfinite,
+        args.lr_schedule, args.warmup_steps, args.skip_nonfinite, bool(args.compile),
     )  # fmt: skip
     progress = ProgressBar(args.steps, label) if args.ranks.main else None
     return train(model, plan.steps, settings, label, progress, checkpoints), model
+
+
+def _compile(model: torch.nn.Module, mode: str) -> None:
+    """``fusetune.compile_layers`` with the --compile MODE (aot_eager names a backend)."""
+    from fusetune.integrations.transformers import compile_layers
+
+    options = {"backend": "aot_eager"} if mode == "aot_eager" else {"mode": mode}
+    try:
+        compile_layers(model, **options)
+    except ValueError as exc:
+        raise FinetuneError(f"--compile: {exc}") from None
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:

@@ -22,8 +22,17 @@ def final_loss(losses: Sequence[float]) -> float:
 
 
 def throughput_note(result: RunResult) -> str:
+    """Which steps tokens/s counts: all, or all but the warm-up step and (under --compile) the
+    steps that compiled a graph (``result.untimed`` of them)."""
     ran = len(result.losses) - result.resumed_from
-    return f"first {WARMUP_STEPS} step left out" if ran >= 3 else "all steps"
+    left_out = result.untimed
+    if left_out == 0:
+        return "all steps"
+    if left_out == WARMUP_STEPS and ran >= 3:
+        return f"first {WARMUP_STEPS} step left out"
+    if left_out >= ran:
+        return "every step compiled: none timed"
+    return f"{left_out} of {ran} steps left out: warm-up and compiling"
 
 
 def format_summary(result: RunResult, lines: dict[str, str]) -> str:

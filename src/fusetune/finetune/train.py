@@ -31,8 +31,10 @@ WARMUP_STEPS = 1
 @dataclass
 class RunResult:
     """What one run measured. ``tokens_per_s`` leaves out the first step when there are 3 or
-    more (kernel compilation); ``peak_memory`` is the CUDA allocator's peak over the whole run,
-    model and optimizer state included (on the CPU: the process's peak RSS)."""
+    more (kernel compilation), and under torch.compile every step during which a graph was
+    compiled (``untimed`` counts the steps left out); ``peak_memory`` is the CUDA allocator's
+    peak over the whole run, model and optimizer state included (on the CPU: the process's
+    peak RSS)."""
 
     label: str
     losses: list[float] = field(default_factory=list)
@@ -43,6 +45,7 @@ class RunResult:
     peak_memory: int | None = None
     memory_kind: str = ""
     skipped: list[int] = field(default_factory=list)  # 1-based steps skipped (not finite)
+    untimed: int = 0  # steps left out of tokens_per_s (warm-up, compiling)
     resumed_from: int = 0  # the checkpoint's step, 0: started at step 1
 
     @property
@@ -57,6 +60,7 @@ class RunResult:
             "resumed_from_step": self.resumed_from,
             "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s,
+            "untimed_steps": self.untimed,
             "seconds": self.seconds,
             "peak_memory_bytes": self.peak_memory,
             "memory_kind": self.memory_kind,
@@ -73,6 +77,7 @@ class TrainSettings:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     skip_nonfinite: bool = False
+    compiled: bool = False  # torch.compile'd: steps that compile are left out of tokens/s
 
 
 @dataclass
@@ -122,11 +127,13 @@ def train(
                     index, len(steps), settings.lr_schedule, settings.warmup_steps
                 )
                 schedule.set_lr(optimizer, settings.lr, factor)
+                graphs = _compiled_graphs() if settings.compiled else 0
                 loss, fault, stop = _step(state, steps[index], settings, requests.signum)
+                timed = index >= skip and (not settings.compiled or _compiled_graphs() == graphs)
                 if fault is not None:
                     _on_fault(index + 1, fault, settings, checkpoints, result)
                 seconds = time.perf_counter() - step_start
-                tokens = _record(result, steps[index], loss, seconds, index >= skip, device)
+                tokens = _record(result, steps[index], loss, seconds, timed, device)
                 if progress is not None:
                     rate = result.tokens_per_s or tokens / max(seconds, 1e-9)
                     memory = format_memory(result.peak_memory, result.memory_kind)
@@ -151,8 +158,17 @@ def _record(result: RunResult, micro_batches, loss: float, seconds, timed, devic
     if timed:
         result.timed_tokens += tokens
         result.timed_seconds += seconds
+    else:
+        result.untimed += 1
     result.peak_memory, result.memory_kind = peak_memory(device)
     return tokens
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far (recompiles too)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _on_fault(step: int, fault: str, settings, checkpoints, result: RunResult) -> None:
