@@ -374,20 +374,41 @@ def test_comparison_table_and_loss_rows():
 def test_bench_e2e_cpu_smoke(tmp_path, capsys):
     from fusetune.bench import cases_e2e
 
+    variants = list(cases_e2e.DEFAULT_VARIANTS)  # unsloth: test_bench_e2e_unsloth_missing_*
     argv = ["--shapes", "qwen2.5-0.5b", "--steps", "1", "--warmup", "1", "--batch", "1"]
-    argv += ["--seq-len", "16", "--tiny", "--out", str(tmp_path)]
+    argv += ["--seq-len", "16", "--tiny", "--out", str(tmp_path), "--variants", ",".join(variants)]
     assert cases_e2e.main(argv) == 0
     out = capsys.readouterr().out
     assert "hf+peft+fusetune" in out
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == list(cases_e2e.VARIANTS)
-    liger = rows[list(cases_e2e.VARIANTS).index("hf+peft+liger")]
+    assert [r["variant"] for r in rows] == variants
+    liger = rows[variants.index("hf+peft+liger")]
     liger_runs = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
     if not torch.cuda.is_available():
         assert liger["note"] == "skipped: Liger-Kernel needs CUDA" and liger["note"] in out
     elif not liger_runs:  # a GPU machine without the peer: the row says why
         assert "liger_kernel" in liger["error"], liger
     assert all(r["tokens_per_s"] > 0 for r in rows if r is not liger or liger_runs)
+
+
+def test_bench_e2e_unsloth_missing_gives_an_error_row(tmp_path, capsys, monkeypatch):
+    """Without unsloth the variant leaves the defaults and, asked for, is one row that says why
+    (no model is built, the table still prints, the run does not fail)."""
+    from fusetune.bench import cases_e2e
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "unsloth" else real(name, *a)
+    )
+    assert "unsloth" not in cases_e2e.default_variants()
+    argv = ["--shapes", "llama-3.2-1b", "--variants", "unsloth", "--tiny", "--out", str(tmp_path)]
+    assert cases_e2e.main(argv) == 0
+    out = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert row["variant"] == "unsloth" and "unsloth is not installed" in row["error"], row
+    assert "ERROR unsloth is not installed" in out
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert cases_e2e.default_variants()[-1] == "unsloth"
 
 
 def test_bench_e2e_worker_subprocess_reports_json():

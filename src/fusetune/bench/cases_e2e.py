@@ -9,7 +9,11 @@ trained), fused AdamW on the adapters, no gradient checkpointing.
 Variants: ``hf+peft`` (transformers + PEFT as they are), ``hf+peft+liger`` (Liger-Kernel's
 ``apply_liger_kernel_to_llama`` / ``_qwen2``, all its defaults: RMSNorm, RoPE, SwiGLU, fused
 linear cross-entropy), ``hf+peft+fusetune`` (``fusetune.integrations.transformers.apply`` on
-the PEFT model: RMSNorm, RoPE, linear cross-entropy and the fused LoRA projections and MLP).
+the PEFT model: RMSNorm, RoPE, linear cross-entropy and the fused LoRA projections and MLP),
+``unsloth`` (the same random weights saved to a folder under /tmp once per shape and loaded with
+Unsloth's ``FastLanguageModel``, its ``get_peft_model`` with the same LoRA settings: see
+``fusetune.bench.unsloth_variant``; in the defaults only where unsloth is importable, and a row
+that says why where it is not).
 
 ``python -m fusetune bench e2e`` runs each variant in its own subprocess (a fresh model, and
 no patch can leak from one variant into the next: Liger patches transformers' modules for the
@@ -52,13 +56,16 @@ from typing import Any
 
 import torch
 
+from fusetune.bench import unsloth_variant
 from fusetune.bench.harness import Case, environment, register, synchronize
 
 SEQ_LEN = 2048
 RANK, ALPHA = 16, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+compile")
-DEFAULT_VARIANTS = VARIANTS[:3]  # +compile: fusetune with its decoder layers compiled (opt-in)
+VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+compile", "unsloth")
+# +compile: fusetune with its decoder layers compiled (opt-in); unsloth where it is installed
+# (default_variants()).
+DEFAULT_VARIANTS = VARIANTS[:3]
 GIB = float(1024**3)
 RESULT_TAG = "E2E_RESULT "
 WORKER_TIMEOUT_S = 600
@@ -220,6 +227,8 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant == "unsloth":
+        return build_unsloth(shape, tiny)
     if variant == "hf+peft+liger":
         apply_liger(shape.model_type)
     base_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -242,6 +251,19 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
         if variant.endswith("+compile"):
             hf_integration.compile_layers(model, mode=os.environ.get("FUSETUNE_COMPILE_MODE"))
     return model
+
+
+def build_unsloth(shape: Shape, tiny: bool, **options: Any) -> torch.nn.Module:
+    """Unsloth's LoRA model of ``shape`` from the saved random weights (``options``: load_in_4bit,
+    gradient_checkpointing). Raises RuntimeError without unsloth."""
+    why = unsloth_variant.missing()
+    if why:
+        raise RuntimeError(why)
+    folder = unsloth_variant.model_folder(
+        shape.model_type, shape.config, TINY_CONFIG if tiny else None
+    )
+    seq_len = TINY_SEQ_LEN if tiny else SEQ_LEN
+    return unsloth_variant.load(folder, _targets(shape), RANK, ALPHA, seq_len, **options)
 
 
 def _targets(shape: Shape) -> list[str] | str:
@@ -328,6 +350,7 @@ def measure(
         "first_step_ms": first,
         "tokens_per_s": batch * seq_len / (step_ms * 1e-3),
         "tflops_per_s": flops(shape, batch, seq_len, tiny) / (step_ms * 1e-3) / 1e12,
+        "adapter_dtype": unsloth_variant.adapter_dtype(model),
     }
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
@@ -493,8 +516,12 @@ def run_e2e(
         for variant in args.variants:
             name = f"{shape.name} (tiny)" if tiny else shape.name
             row = {"shape": name, "variant": variant, "batch": batch, "seq_len": seq_len}
-            if variant == "hf+peft+liger" and device.type != "cuda":
-                rows.append({**row, "note": "skipped: Liger-Kernel needs CUDA"})
+            skipped = _not_run(variant, device, isolate)
+            if skipped:
+                rows.append({**row, **skipped})
+                print(f"[e2e] {shape.name} | {variant} = {_brief(rows[-1])}", file=sys.stderr)
+                if on_row is not None:
+                    on_row(rows)
                 continue
             job = dict(
                 shape=key,
@@ -522,9 +549,29 @@ def run_e2e(
     return rows
 
 
+def default_variants() -> tuple[str, ...]:
+    """The variants run without --variants: DEFAULT_VARIANTS, and unsloth where it imports."""
+    return DEFAULT_VARIANTS + (() if unsloth_variant.missing() else ("unsloth",))
+
+
+def _not_run(variant: str, device: torch.device, isolate: bool) -> dict[str, str] | None:
+    """The row's note (skipped on a CPU) or error (a missing peer) when the variant cannot run."""
+    if variant == "unsloth" and unsloth_variant.missing():
+        return {"error": unsloth_variant.missing()}
+    if variant == "unsloth" and device.type == "cuda" and not isolate:
+        # Unsloth patches transformers for the whole process: every later variant would run it.
+        return {"error": "unsloth runs only in its own subprocess (drop --in-process)"}
+    if device.type != "cuda" and variant in ("hf+peft+liger", "unsloth"):
+        peer = "Liger-Kernel" if variant == "hf+peft+liger" else "Unsloth"
+        return {"note": f"skipped: {peer} needs CUDA"}
+    return None
+
+
 def _brief(row: dict[str, Any]) -> str:
     if row.get("error"):
         return "ERROR " + row["error"]
+    if "tokens_per_s" not in row:
+        return row.get("note", "-")
     peak = row.get("peak_gib")
     memory = f", {peak:.2f} GiB" if peak is not None else ""
     return f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms{memory}"
@@ -580,7 +627,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def _versions() -> str:
     import importlib.metadata
 
-    names = ("torch", "triton", "transformers", "peft", "liger-kernel", "fusetune")
+    names = ("torch", "triton", "transformers", "peft", "liger-kernel", "unsloth", "fusetune")
     found = []
     for name in names:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -600,7 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"of {', '.join(SHAPES)} (default: %(default)s)",
     )
     parser.add_argument(
-        "--variants", default=",".join(DEFAULT_VARIANTS), help="(default: %(default)s)"
+        "--variants",
+        default=",".join(default_variants()),
+        help=f"of {', '.join(VARIANTS)} (default: %(default)s)",
     )
     parser.add_argument("--batch", type=int, default=None, help="(default: 4 Llama, 8 Qwen)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
