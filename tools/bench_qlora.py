@@ -1,7 +1,17 @@
-"""QLoRA training step on one GPU: a random-weight model whose linear layers are bitsandbytes NF4
-(double quantisation, bf16 compute), PEFT LoRA r=16 on every linear layer (fp32 adapters, bf16
-autocast), fused AdamW, sequence 2048: tokens/s and peak GiB for HF+PEFT+bitsandbytes and for
-the same with fusetune applied. One variant per process.
+"""QLoRA training step on one GPU: a random-weight model whose linear layers are NF4 (double
+quantisation, bf16 compute), LoRA r=16 on every linear layer (fp32 adapters, bf16 autocast),
+fused AdamW, sequence 2048: tokens/s and peak GiB. One variant per process:
+
+- ``hf``: HF + PEFT + bitsandbytes (fusetune's ``quantize_4bit`` puts bitsandbytes' Linear4bit in);
+- ``fusetune``: the same with ``fusetune.apply``;
+- ``unsloth``: the same random weights saved once under /tmp (bf16 safetensors), loaded by
+  Unsloth's ``FastLanguageModel`` with ``load_in_4bit=True`` (its own NF4 through bitsandbytes).
+
+``--gradient-checkpointing``: HF's ``gradient_checkpointing_enable(use_reentrant=False)`` for hf and
+fusetune, Unsloth's own "unsloth" mode (layer inputs offloaded to host memory) for unsloth.
+``--largest-batch``: after the timed steps, the largest batch that fits: a line through the peaks
+at the batch and at twice it (or the one peak) gives an estimate, then one step at each try,
+5 % smaller after every out-of-memory error.
 
 Usage: PYTHONPATH=src python tools/bench_qlora.py --shape llama-3.2-1b --batch 4 --variant fusetune
 """
@@ -9,13 +19,13 @@ Usage: PYTHONPATH=src python tools/bench_qlora.py --shape llama-3.2-1b --batch 4
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 
 import torch
 
 from fusetune.bench import cases_e2e
-from fusetune.finetune.models import quantize_4bit
 
 LLAMA_8B = cases_e2e.Shape(
     "Llama-3-8B", "llama",
@@ -25,22 +35,24 @@ LLAMA_8B = cases_e2e.Shape(
     batch=2,
 )  # fmt: skip
 SHAPES = {**cases_e2e.SHAPES, "llama-8b": LLAMA_8B}
+SEQ_LEN = cases_e2e.SEQ_LEN
+GIB = 2**30
+MAX_TRIES = 6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--variant", choices=["hf", "fusetune"], required=True)
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
+def build(shape: cases_e2e.Shape, variant: str, checkpointing: bool) -> torch.nn.Module:
+    """The variant's 4-bit LoRA model on the GPU."""
+    if variant == "unsloth":
+        return cases_e2e.build_unsloth(
+            shape, False, load_in_4bit=True, gradient_checkpointing=checkpointing
+        )
     import peft
     import transformers
 
-    shape, device = SHAPES[args.shape], torch.device("cuda")
-    batch = args.batch or shape.batch
+    from fusetune.finetune.models import quantize_4bit
+
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(
             cases_e2e.model_config(shape, tiny=False), dtype=torch.bfloat16,
             attn_implementation="sdpa",
@@ -48,24 +60,105 @@ def main() -> None:
     model.config.use_cache = False
     quantize_4bit(model)
     torch.cuda.empty_cache()
+    if checkpointing:  # before PEFT wraps it; non-reentrant needs no input grads
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = peft.LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=cases_e2e.TARGETS
-    )
+        r=cases_e2e.RANK, lora_alpha=cases_e2e.ALPHA, lora_dropout=0.0,
+        target_modules=cases_e2e.TARGETS,
+    )  # fmt: skip
     model = peft.get_peft_model(model, config)
-    if args.variant == "fusetune":
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # as bench e2e: PEFT starts B at zero; trained adapters are not
+            torch.nn.init.normal_(param, std=0.02)
+    if variant == "fusetune":
         import fusetune
 
         fusetune.apply(model)
-    torch.cuda.reset_peak_memory_stats(device)
-    ids = torch.randint(0, model.config.vocab_size, (batch, 2048), device=device)
+    return model
+
+
+def one_step_peak(model: torch.nn.Module, batch: int) -> tuple[float, float] | None:
+    """(step ms, peak bytes) of two steps at ``batch`` (the second timed), or None on OOM."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (batch, SEQ_LEN), device="cuda")
+        step = cases_e2e.make_step(model, ids)
+        times = cases_e2e._time_steps(step, torch.device("cuda"), 2)
+    except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        return None
+    return times[-1], float(torch.cuda.max_memory_allocated())
+
+
+def largest_batch(model: torch.nn.Module, batch: int) -> dict[str, object]:
+    """The largest batch that ran one step (see the module doc)."""
+    gc.collect()
+    torch.cuda.empty_cache()  # so that the process holds only what is allocated
+    fixed = float(torch.cuda.memory_allocated())
+    free = torch.cuda.mem_get_info()[0] + fixed  # what this process may hold in all
+    first = one_step_peak(model, batch)
+    if first is None:
+        return {"largest_batch": None, "oom_at": [batch]}
+    second = one_step_peak(model, 2 * batch)
+    if second is not None:
+        per_sequence = max(second[1] - first[1], 1.0) / batch
+        intercept = first[1] - per_sequence * batch
+    else:
+        per_sequence, intercept = max(first[1] - fixed, 1.0) / batch, fixed
+    estimate = max(batch, int((free * 0.97 - intercept) // per_sequence))
+    tried, best = [], (batch, *first)
+    if second is not None:
+        best = (2 * batch, *second)
+    candidate = estimate
+    for _ in range(MAX_TRIES):
+        if candidate <= best[0]:
+            break
+        found = one_step_peak(model, candidate)
+        if found is not None:
+            best = (candidate, *found)
+            break
+        tried.append(candidate)
+        candidate = min(candidate - 1, int(candidate * 0.95))
+    size, ms, peak = best
+    return {
+        "largest_batch": size, "largest_batch_estimate": estimate, "oom_at": tried,
+        "largest_batch_tokens_per_s": size * SEQ_LEN / ms * 1e3,
+        "largest_batch_peak_gib": peak / GIB, "per_sequence_gib": per_sequence / GIB,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
+    parser.add_argument("--variant", choices=["hf", "fusetune", "unsloth"], required=True)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--largest-batch", action="store_true")
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    batch = args.batch or shape.batch
+    model = build(shape, args.variant, args.gradient_checkpointing)
+    fixed = torch.cuda.memory_allocated() / GIB
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, model.config.vocab_size, (batch, SEQ_LEN), device="cuda")
     step = cases_e2e.make_step(model, ids)
-    times = cases_e2e._time_steps(step, device, 2 + args.steps)[2:]
+    times = cases_e2e._time_steps(step, torch.device("cuda"), 2 + args.steps)[2:]
     median = statistics.median(times)
-    print("RESULT " + json.dumps(dict(
-        shape=shape.name, variant=args.variant, batch=batch, step_ms=median, min_ms=min(times),
-        max_ms=max(times), tokens_per_s=batch * 2048 / median * 1e3,
-        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-    )), flush=True)  # fmt: skip
+    result = dict(
+        shape=shape.name, variant=args.variant, batch=batch,
+        gradient_checkpointing=args.gradient_checkpointing, step_ms=median, min_ms=min(times),
+        max_ms=max(times), tokens_per_s=batch * SEQ_LEN / median * 1e3,
+        peak_gib=torch.cuda.max_memory_allocated() / GIB, weights_gib=fixed,
+        adapter_dtype=cases_e2e.unsloth_variant.adapter_dtype(model),
+    )  # fmt: skip
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.largest_batch:
+        del step, ids
+        result.update(largest_batch(model, batch))
+        print("LARGEST " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
