@@ -31,11 +31,17 @@ export HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled
 echo "== a) import unsloth" | tee "$OUT/a-import.log"
 timeout "$(cap 90)" python3 -c "
 import time; t = time.time()
-import unsloth, unsloth_zoo, torch, transformers, peft, trl, bitsandbytes, triton
+import unsloth
 from unsloth import FastLanguageModel
 print('import unsloth: %.1f s' % (time.time() - t))
-for m in (unsloth, unsloth_zoo, torch, triton, transformers, peft, trl, bitsandbytes):
-    print(m.__name__, m.__version__, m.__file__)
+import importlib, torch
+for name in ('unsloth', 'unsloth_zoo', 'torch', 'triton', 'transformers', 'peft', 'trl',
+             'datasets', 'accelerate', 'bitsandbytes', 'xformers', 'cut_cross_entropy'):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, '__version__', '?'), m.__file__)
+    except ImportError as e:
+        print(name, 'not importable:', e)
 print(torch.cuda.get_device_name())
 " 2>&1 | tee -a "$OUT/a-import.log"
 
