@@ -30,6 +30,7 @@ from fusetune.finetune.args import (
     resolve_device,
 )
 from fusetune.finetune.command import _add_lora, _release
+from fusetune.finetune.distributed import Ranks, full_state_dict
 from fusetune.finetune.errors import FinetuneError
 from fusetune.finetune.output import MARKER, check_output, checkpoint_folders, staged_output
 from fusetune.finetune.precision import CHOICES as PRECISIONS
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compare", action="store_true", help="first the same run without fusetune"
     )
+    parser.add_argument("--fsdp", action="store_true",
+                        help="under torchrun / accelerate launch: shard the model with FSDP2 "
+                             "(accelerate's plugin: each decoder layer, then the root) instead "
+                             "of replicating it on every rank")  # fmt: skip
     return parser
 
 
@@ -100,6 +105,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         )
     if args.num_generations < 2:
         parser.error("argument --num-generations: GRPO compares at least 2 completions a prompt")
+    if args.fsdp and world_size() == 1:
+        parser.error("argument --fsdp: shards over ranks; run under torchrun --nproc-per-node N "
+                     "or accelerate launch")  # fmt: skip
     if args.batch_size % world_size():
         parser.error(f"argument --batch-size: {args.batch_size} (the global batch) does not "
                      f"split over {world_size()} ranks")  # fmt: skip
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tiny_tokenizer() if spec.tiny else _hf_tokenizer(spec)
     mode = "full" if args.full else f"LoRA r={args.lora_r} alpha={args.lora_alpha:g}"
     ranks = f"; {world_size()} ranks" if world_size() > 1 else ""
+    ranks += " (FSDP2)" if args.fsdp else ""
     if main_rank():
         print(f"model: {spec.name} ({spec.family}), {mode}; data: {data_name}, {len(prompts)} "
               f"prompts; rewards: {', '.join(args.reward or rewards.DEFAULT)}; {args.loss_type}, "
@@ -160,9 +169,11 @@ def run(args: argparse.Namespace) -> int:
         runs.append(train_once(args, spec, precision, tokenizer, prompts, reward_functions, False))
     fused = train_once(args, spec, precision, tokenizer, prompts, reward_functions, True)
     runs.append(fused)
+    trainer = fused.pop("trainer")
+    state = gathered_state(trainer.model) if args.fsdp else None  # every rank takes part
     if not main_rank():
         return 0
-    saved = save(args, spec, fused.pop("trainer"), tokenizer, runs)
+    saved = save(args, spec, trainer, tokenizer, runs, state)
     for result in runs:
         result.pop("trainer", None)
         print(format_run(result))
@@ -192,12 +203,14 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
         use_cpu=args.device.type == "cpu", logging_steps=1,
         save_strategy="steps" if saving else "no", save_steps=args.save_every or 500,
         save_total_limit=args.keep_checkpoints,
-        report_to="none", disable_tqdm=True,
+        report_to="none", disable_tqdm=True, **fsdp_options(args),
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
         model=model, reward_funcs=reward_functions, args=config,
         train_dataset=datasets.Dataset.from_list(prompts), processing_class=tokenizer,
     )  # fmt: skip
+    if args.fsdp and not trainer.is_fsdp_enabled:
+        raise FinetuneError(unsharded_reason(trainer))
     if fused:
         fusetune.apply(trainer)
     progress = Progress(args.steps, label, args.device)
@@ -219,9 +232,42 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
         kl=[e.get("kl", 0.0) for e in logs],
         tokens=progress.tokens,
         fused_head_calls=FusedHead.calls - head_calls,  # TRL head calls fusetune served
+        sharded_parameters=sharded_parameters(trainer.model),  # FSDP2's DTensors (0: none)
         peak_memory=format_memory(memory, kind),
         trainer=trainer,
     )
+
+
+def sharded_parameters(model: torch.nn.Module) -> int:
+    """How many of ``model``'s parameters FSDP2 shards (DTensors): the check that ``--fsdp``
+    sharded the model rather than replicating it."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(isinstance(p, DTensor) for p in model.parameters())
+
+
+def unsharded_reason(trainer) -> str:
+    """Why ``--fsdp`` cannot shard here: accelerate turns its FSDP plugin on for multi-device
+    accelerator runs only (1.15: GPUs, NPUs, XPUs, ...); on CPU ranks (gloo) it would run DDP,
+    every rank a full replica, so the command stops rather than replicate silently."""
+    import accelerate
+
+    kind = trainer.accelerator.state.distributed_type
+    return (f"--fsdp: accelerate {accelerate.__version__} does not shard on this device "
+            f"({kind.value}: its FSDP plugin is enabled for multi-GPU runs only); without "
+            "--fsdp the ranks run data parallel (DDP)")  # fmt: skip
+
+
+def fsdp_options(args) -> dict:
+    """GRPOConfig's FSDP2 settings for ``--fsdp``: accelerate's plugin wraps every decoder layer
+    (the model's ``_no_split_modules``), then the root, where the lm_head stays: the root's
+    forward gathers it and TRL's head, served by fusetune, reads the unsharded weight."""
+    if not args.fsdp:
+        return {}
+    # activation checkpointing through FSDP's own wrapper (the trainer's argument would gather
+    # each layer's shards once more in the backward, transformers warns)
+    settings = {"version": 2, "reshard_after_forward": True, "activation_checkpointing": True}
+    return {"fsdp": True, "fsdp_config": settings, "gradient_checkpointing": False}
 
 
 def _resume_point(args) -> str | None:
@@ -279,10 +325,18 @@ def format_run(result: dict) -> str:
             f"{result['peak_memory']}; {format_duration(result['seconds'])}")  # fmt: skip
 
 
-def save(args, spec, trainer, tokenizer, runs) -> str:
+def gathered_state(model: torch.nn.Module) -> dict | None:
+    """The FSDP2-sharded model's full state dict on rank 0 (CPU tensors; a collective: every
+    rank calls it), for a consolidated adapter or model. None on one process."""
+    ranks = Ranks(int(os.environ.get("RANK", "0")), world_size())
+    return full_state_dict(model, ranks)
+
+
+def save(args, spec, trainer, tokenizer, runs, state: dict | None = None) -> str:
+    """Rank 0 writes the output; ``state``: the gathered state dict of a sharded model."""
     output = Path(args.output)
     with staged_output(output) as staging:
-        trainer.model.save_pretrained(str(staging))
+        trainer.model.save_pretrained(str(staging), state_dict=state)
         tokenizer.save_pretrained(str(staging))
         options = {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()}
         record = {

@@ -32,21 +32,38 @@ hidden states outside autocast) the head is computed in fp32, as TRL does.
 TRL's head is a module-level function, so while any trainer is patched every fused-head call in
 the process goes through fusetune (as the RoPE patch is per family); :func:`revert` of the last
 patched trainer restores TRL's.
+
+Sharded heads (FSDP2). With the head in the root's FSDP group (accelerate's FSDP2 plugin: the
+decoder layers, then the root), the root's forward has gathered it and TRL hands fusetune the
+unsharded parameter: its gradient goes to FSDP's reduce-scatter as any parameter's. With
+``fully_shard`` applied to ``lm_head`` itself (torchtitan's layout), TRL's forward reads a
+sharded DTensor and gathers it with ``full_tensor()``, whose backward keeps each rank's own
+gradient: the head's gradient is then not reduced over ranks (TRL 1.16, its own kernel too;
+tests/test_trl_fsdp.py shows it). :func:`apply` wraps TRL's fused forward so that such a head
+runs fusetune's kernel inside the head module's own call (:func:`run_inside`): FSDP's hooks
+gather the weight once for the call (the kernel tiles rows over the whole weight, no gather per
+chunk), free it as configured, and reduce-scatter its gradient. A DTensor head outside an FSDP2
+module and a DeepSpeed ZeRO-3 head warn once (naming the module and the reason): the first is
+served on TRL's gathered weight, the second by TRL's own kernel (its gather context holds the
+weight for the forward only, and fusetune's backward reads it again).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import warnings
 
 import torch
 
+from fusetune.integrations._transformers_forwards import run_inside
 from fusetune.ops.grpo import selective_log_softmax
 
 TESTED_TRL = ("1.16.0",)
 SERVED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 _MARK = "_fusetune_trl"
 _state = {"original": None, "trainers": 0, "warned": set()}
+_WRAPPED = "_fusetune_trl_forward"  # the model attribute holding TRL's fused forward
 
 
 class FusedHead:
@@ -58,41 +75,136 @@ class FusedHead:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):  # fmt: skip
+        original = _state["original"]
         unserved = [name for name in outputs if name not in SERVED_OUTPUTS]
         if unserved:
             _warn_once(f"TRL asked its fused head for {', '.join(unserved)}, which fusetune does "
                        "not compute: TRL's own kernel serves those calls")  # fmt: skip
-            return _state["original"].apply(
-                hidden,
-                weight,
-                bias,
-                targets,
-                temperature,
-                chunk_size,
-                final_logit_softcapping,
-                logit_scale,
-                outputs,
+        elif hasattr(weight, "ds_id"):
+            _warn_once("lm_head is partitioned by DeepSpeed ZeRO-3: TRL's own kernel serves its "
+                       "calls (its gather holds the weight for the forward only)")  # fmt: skip
+            unserved = ["zero3"]
+        if unserved:
+            return original.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                  final_logit_softcapping, logit_scale, outputs)  # fmt: skip
+        ticket = _HeadTicket.current
+        if ticket is not None and weight is ticket.weight:  # a sharded head: in its own call
+            ticket.used = True
+            head = ticket.head
+
+            def inside(rows: torch.Tensor):
+                out = _serve(rows, head.weight, head.bias, targets, temperature,
+                             final_logit_softcapping, logit_scale, outputs)  # fmt: skip
+                # FSDP hooks the outputs for its pre-backward gather: views of one buffer
+                # would lose that hook to an in-place op (it warns), so each is its own tensor
+                return tuple(t if t is None or t._base is None else t.clone() for t in out)
+
+            return run_inside(head, inside, hidden)
+        return _serve(hidden, weight, bias, targets, temperature, final_logit_softcapping,
+                      logit_scale, outputs)  # fmt: skip
+
+
+def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs) -> tuple:
+    """fusetune's kernel for one TRL head call: the five outputs of TRL's function."""
+    device_type = hidden.device.type
+    if hidden.dtype == torch.float32 and not torch.is_autocast_enabled(device_type):
+        # TRL computes in hidden's dtype outside autocast (cast_lm_head_to_fp32): so do we
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
+    FusedHead.calls += 1
+    out = selective_log_softmax(
+        hidden,
+        weight,
+        targets,
+        bias=bias,
+        temperature=temperature,
+        logit_softcap=softcap,
+        logit_scale=None if logit_scale == 1.0 else logit_scale,
+        return_entropy="entropy" in outputs,
+        return_top1="is_top1" in outputs,
+    )
+    if isinstance(out, torch.Tensor):  # log-probs alone
+        return out, None, None, None, None
+    return out.log_probs, out.entropy, None, None, out.is_top1
+
+
+class _HeadTicket:
+    """What TRL's fused forward sees as the LM head while a head sharded on its own (FSDP2's
+    ``fully_shard(lm_head)``) waits for its own call: ``weight`` (and ``bias``) are empty
+    markers on the head's device, so TRL neither reads nor gathers the sharded DTensor;
+    :class:`FusedHead` recognises the marker and runs inside ``head``'s call."""
+
+    current: _HeadTicket | None = None  # the ticket of the fused forward running now
+
+    def __init__(self, head: torch.nn.Module):
+        device = head.weight.device  # a DTensor's device is its local shard's
+        self.head, self.used = head, False
+        self.weight = torch.empty(0, device=device)
+        self.bias = None if head.bias is None else torch.empty(0, device=device)
+
+
+def _fsdp_module() -> type | tuple:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return ()
+    return FSDPModule
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _wrap_trl_forward(model: torch.nn.Module) -> None:
+    """Wrap the fused forward TRL put on ``model`` (``add_fused_lm_head``) so that a head FSDP2
+    shards on its own runs inside its own call, and a DTensor head that fusetune cannot route
+    warns once. Nothing changes for a plain head or for calls without ``fused_lm_head``."""
+    trl_forward = model.__dict__["forward"]
+
+    @functools.wraps(trl_forward)
+    def forward(*args, fused_lm_head: bool = False, **kwargs):
+        head = model.get_output_embeddings() if fused_lm_head else None
+        weight = getattr(head, "weight", None)
+        if head is None or weight is None or not _is_dtensor(weight):
+            return trl_forward(*args, fused_lm_head=fused_lm_head, **kwargs)
+        if not isinstance(head, _fsdp_module()):
+            _warn_once(f"{type(model).__name__}.lm_head's weight is a DTensor outside an FSDP2 "
+                       "module of its own: TRL gathers it with full_tensor(), whose gradient is "
+                       "not reduced over ranks; fusetune serves the gathered weight")  # fmt: skip
+            return trl_forward(*args, fused_lm_head=True, **kwargs)
+        ticket = _HeadTicket(head)
+        outer = _HeadTicket.current
+        _HeadTicket.current = ticket
+        model.get_output_embeddings = lambda: ticket
+        try:
+            output = trl_forward(*args, fused_lm_head=True, **kwargs)
+        finally:
+            del model.get_output_embeddings
+            _HeadTicket.current = outer
+        if not ticket.used:
+            raise RuntimeError(
+                "fusetune: TRL's fused forward did not call its head function on the sharded "
+                "lm_head (a TRL release fusetune does not know)"
             )
-        device_type = hidden.device.type
-        if hidden.dtype == torch.float32 and not torch.is_autocast_enabled(device_type):
-            # TRL computes in hidden's dtype outside autocast (cast_lm_head_to_fp32): so do we
-            weight = weight.float()
-            bias = None if bias is None else bias.float()
-        FusedHead.calls += 1
-        out = selective_log_softmax(
-            hidden,
-            weight,
-            targets,
-            bias=bias,
-            temperature=temperature,
-            logit_softcap=final_logit_softcapping,
-            logit_scale=None if logit_scale == 1.0 else logit_scale,
-            return_entropy="entropy" in outputs,
-            return_top1="is_top1" in outputs,
-        )
-        if isinstance(out, torch.Tensor):  # log-probs alone
-            return out, None, None, None, None
-        return out.log_probs, out.entropy, None, None, out.is_top1
+        return output
+
+    setattr(model, _WRAPPED, trl_forward)
+    model.forward = forward
+
+
+def _trl_forward_models(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` carrying TRL's fused forward (the model, or PEFT's base model)."""
+    found = []
+    for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+        forward = getattr(candidate, "__dict__", {}).get("forward")
+        code = getattr(getattr(forward, "__func__", None), "__code__", None)
+        if code is not None and code.co_name == "_fused_forward":  # functools.wraps keeps it
+            found.append(candidate)
+    return found
 
 
 def _warn_once(message: str) -> None:
@@ -143,6 +255,8 @@ def apply(trainer, **options):
     options = {**options, "linear_cross_entropy": False}
     for model in _models(trainer):
         hf_integration.apply(model, **options)
+        for carrier in _trl_forward_models(model):
+            _wrap_trl_forward(carrier)
     import trl.trainer.utils as trl_utils
 
     if _state["trainers"] == 0:
@@ -162,6 +276,9 @@ def revert(trainer):
         return trainer
     for model in _models(trainer):
         hf_integration.revert(model)
+        for carrier in (model, getattr(model, "get_base_model", lambda: None)()):
+            if carrier is not None and _WRAPPED in carrier.__dict__:
+                carrier.forward = carrier.__dict__.pop(_WRAPPED)
     delattr(trainer, _MARK)
     _state["trainers"] -= 1
     if _state["trainers"] == 0:

@@ -1,0 +1,183 @@
+"""TRL's fused LM head, served by fusetune, on an FSDP2-sharded model at 2 ranks against one
+process on the same rows: per-token log-probs and entropy, and the gradients of every parameter
+(the lm_head's included), in fp32 within 1e-5. Layouts: the head in the root's group (as
+accelerate's FSDP2 plugin shards: decoder layers, then the root) and the head sharded on its own
+(torchtitan's layout), resharded after forward or not. There TRL 1.16 reads a sharded DTensor
+and gathers it with ``full_tensor()``, whose backward does not reduce the head's gradient over
+ranks; fusetune runs the head inside its own FSDP call instead (the weight gathered once a call,
+the gradient reduce-scattered by FSDP): the counts below check that the fused kernel ran on
+every call and that the head module ran once a call (FSDP's gather). A DTensor head outside an
+FSDP2 module warns once, naming the module and the reason.
+
+Gloo on the CPU (FSDP2 runs there by hand; accelerate's FSDP plugin does not: see
+tests/test_grpo_distributed.py), NCCL on a machine with 2 GPUs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harness import assert_close
+from test_transformers import tiny_model
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() == 1, reason="2 ranks need 2 GPUs (NCCL) or none (gloo)"
+)
+WORLD, BATCH, SEQ, CALLS = 2, 4, 8, 2  # CALLS: head calls a step (TRL's batch chunks)
+LAYOUTS = (("root", True), ("head", True), ("head", False))
+NCCL = torch.cuda.device_count() >= WORLD
+
+
+class Trainer:
+    """The part of a TRL trainer fusetune.apply reads (TRL's trainers are too slow to build
+    at every rank here); ``__module__`` makes it one for fusetune's check."""
+
+    __module__ = "trl.stub"
+
+    def __init__(self, model):
+        self.model, self.ref_model = model, None
+
+
+def trl_model(device: torch.device):
+    """The tiny Llama with TRL's fused head (as GRPOTrainer adds it) and fusetune applied."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    import fusetune
+
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False).to(device)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    trainer = Trainer(model)
+    fusetune.apply(trainer)
+    return model, trainer
+
+
+def rows(device: torch.device, rank: int = 0, world: int = 1):
+    """CALLS batches of token ids and labels (a random prompt masked with -100), this rank's
+    rows of each."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(CALLS):
+        ids = torch.randint(3, 128, (BATCH, SEQ), generator=generator)
+        prompt = torch.randint(1, SEQ // 2, (BATCH, 1), generator=generator)
+        labels = ids.masked_fill(torch.arange(SEQ) < prompt, -100)
+        out.append((ids.chunk(world)[rank].to(device), labels.chunk(world)[rank].to(device)))
+    return out
+
+
+def step(model, batches, world: int = 1):
+    """One backward over CALLS fused-head calls: log-probs weighted by position plus an
+    entropy term (both outputs' gradients), summed over this rank's rows; times ``world``, as
+    FSDP averages the gradients over ranks. Returns (log-probs, entropy), detached."""
+    log_probs, entropy = [], []
+    for ids, labels in batches:
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        weights = torch.linspace(0.5, 1.5, SEQ - 1, device=ids.device)
+        loss = (out.log_probs * weights).sum() + 0.3 * out.entropy.sum()
+        (loss * world).backward()
+        log_probs.append(out.log_probs.detach().cpu())
+        entropy.append(out.entropy.detach().cpu())
+    return torch.cat(log_probs), torch.cat(entropy)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
+
+
+def worker(rank: int, init_file: str, results: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    import fusetune
+    from fusetune.integrations.trl import FusedHead
+
+    dist.init_process_group(BACKEND, init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    found = {}
+    for layout, reshard in LAYOUTS:
+        model, trainer = trl_model(device)
+        head_calls = []
+        model.lm_head.register_forward_pre_hook(lambda *_, calls=head_calls: calls.append(1))
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=reshard)
+        if layout == "head":
+            fully_shard(model.lm_head, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        served = FusedHead.calls
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no fallback, no warning
+            warnings.filterwarnings("ignore", ".*TensorFloat32.*")
+            log_probs, entropy = step(model, rows(device, rank, WORLD), WORLD)
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, (log_probs, entropy))
+        found[(layout, reshard)] = dict(
+            log_probs=torch.cat([g[0] for g in gathered]).view(WORLD, CALLS, -1, SEQ - 1),
+            entropy=torch.cat([g[1] for g in gathered]).view(WORLD, CALLS, -1, SEQ - 1),
+            grads={n: full(p.grad) for n, p in model.named_parameters()},
+            served=FusedHead.calls - served,
+            head_calls=len(head_calls),
+            head_sharded=type(model.lm_head.weight).__name__,
+        )
+        fusetune.revert(trainer)
+    found["dtensor_warning"] = dtensor_head_warns(device)
+    if rank == 0:
+        torch.save(found, results)
+    dist.destroy_process_group()
+
+
+def dtensor_head_warns(device: torch.device) -> list[str]:
+    """A head whose weight is a DTensor without an FSDP2 module of its own (sharded by hand):
+    fusetune serves TRL's gathered weight and says once why the route is not FSDP's."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    model, trainer = trl_model(device)
+    mesh = init_device_mesh(device.type, (WORLD,))
+    weight = distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)])
+    model.lm_head.weight = torch.nn.Parameter(weight)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ids, labels in rows(device) * 2:  # twice: one warning
+            model(input_ids=ids, labels=labels, fused_lm_head=True)
+    import fusetune
+
+    fusetune.revert(trainer)
+    return [str(w.message) for w in caught if "DTensor" in str(w.message)]
+
+
+BACKEND = "nccl" if NCCL else "gloo"
+
+
+def test_trl_head_under_fsdp2_matches_one_process(tmp_path):
+    from fusetune.integrations.trl import FusedHead
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, trainer = trl_model(device)
+    served = FusedHead.calls
+    want_log_probs, want_entropy = step(model, rows(device))
+    assert FusedHead.calls - served == CALLS
+    import fusetune
+
+    fusetune.revert(trainer)
+    results = tmp_path / "rank0.pt"
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(results)), nprocs=WORLD, join=True)
+    found = torch.load(results, weights_only=False)
+    # rank r's rows of call c: rows [r * B/2, (r + 1) * B/2) of the single process's call c
+    want_log_probs = want_log_probs.view(CALLS, WORLD, -1, SEQ - 1).transpose(0, 1)
+    want_entropy = want_entropy.view(CALLS, WORLD, -1, SEQ - 1).transpose(0, 1)
+    for layout, reshard in LAYOUTS:
+        got, label = found[(layout, reshard)], f"{layout} reshard={reshard}"
+        assert got["served"] == CALLS, (label, got["served"])  # fusetune's kernel every call
+        assert got["head_calls"] == (CALLS if layout == "head" else 0), (label, got)
+        assert got["head_sharded"] == "DTensor", label  # the parameter stays sharded
+        assert_close(f"{label} log-probs", got["log_probs"], want_log_probs, 1e-5)
+        assert_close(f"{label} entropy", got["entropy"], want_entropy, 1e-5)
+        for name, param in model.named_parameters():
+            assert_close(f"{label} grad {name}", got["grads"][name], param.grad, 1e-5)
+    warned = found["dtensor_warning"]
+    assert len(warned) == 1 and "LlamaForCausalLM.lm_head" in warned[0], warned
