@@ -191,3 +191,17 @@ def test_finetune_compile_refuses_offloaded_checkpointing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "argument --compile" in err and "--gradient-checkpointing on" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_finetune_compile_refuses_fsdp2(tmp_path, capsys, monkeypatch):
+    """Under torchrun FSDP2's hooks on every sharded layer split the stack into per-layer graphs
+    (each layer its own class: a recompile per layer), so --compile says so and stops."""
+    from fusetune.finetune import command, distributed
+
+    monkeypatch.setattr(
+        command.distributed, "setup", lambda device: (distributed.Ranks(0, 2), device)
+    )
+    assert main(["--compile", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--compile runs on one process" in err and "torchrun" in err
+    assert not (tmp_path / "o").exists()

@@ -117,6 +117,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.ranks.world > 1 and args.load_in_4bit:
             raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
+        if args.ranks.world > 1 and args.compile:
+            # measured (gloo, 2 ranks): FSDP2's per-layer hooks break the stack's graph inside
+            # the layer loop, so the stack runs eagerly and every layer compiles on its own
+            # (a class per sharded layer): past 8 layers dynamo's recompile limit turns it off
+            raise FinetuneError(
+                "--compile runs on one process: under FSDP2 the sharded layers' hooks split "
+                "the compiled stack into one graph per layer; leave --compile out with torchrun"
+            )
         plan = prepare(args)
         lines = describe(plan)
         main_rank = args.ranks.main
