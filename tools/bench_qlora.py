@@ -8,7 +8,9 @@ fused AdamW, sequence 2048: tokens/s and peak GiB. One variant per process:
   Unsloth's ``FastLanguageModel`` with ``load_in_4bit=True`` (its own NF4 through bitsandbytes).
 
 ``--gradient-checkpointing``: HF's ``gradient_checkpointing_enable(use_reentrant=False)`` for hf and
-fusetune, Unsloth's own "unsloth" mode (layer inputs offloaded to host memory) for unsloth.
+fusetune, Unsloth's own "unsloth" mode (layer inputs offloaded to host memory) for unsloth;
+``--gradient-checkpointing offload``: fusetune's ``enable_offloaded_checkpointing`` (layer inputs
+in pinned host memory, as Unsloth's mode) for hf and fusetune.
 ``--largest-batch``: after the timed steps, the largest batch that fits: a line through the peaks
 at the batch and at twice it (or the one peak) gives an estimate, then one step at each try,
 5 % smaller after every out-of-memory error.
@@ -40,11 +42,11 @@ GIB = 2**30
 MAX_TRIES = 6
 
 
-def build(shape: cases_e2e.Shape, variant: str, checkpointing: bool) -> torch.nn.Module:
-    """The variant's 4-bit LoRA model on the GPU."""
+def build(shape: cases_e2e.Shape, variant: str, checkpointing: str | None) -> torch.nn.Module:
+    """The variant's 4-bit LoRA model on the GPU; ``checkpointing``: None, "on" or "offload"."""
     if variant == "unsloth":
         return cases_e2e.build_unsloth(
-            shape, False, load_in_4bit=True, gradient_checkpointing=checkpointing
+            shape, False, load_in_4bit=True, gradient_checkpointing=bool(checkpointing)
         )
     import peft
     import transformers
@@ -60,8 +62,16 @@ def build(shape: cases_e2e.Shape, variant: str, checkpointing: bool) -> torch.nn
     model.config.use_cache = False
     quantize_4bit(model)
     torch.cuda.empty_cache()
-    if checkpointing:  # before PEFT wraps it; non-reentrant needs no input grads
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing == "offload":
+        from fusetune.integrations.checkpointing import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model)
+    elif checkpointing:  # before PEFT wraps it; non-reentrant needs no input grads
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its newer name in transformers
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     config = peft.LoraConfig(
         r=cases_e2e.RANK, lora_alpha=cases_e2e.ALPHA, lora_dropout=0.0,
         target_modules=cases_e2e.TARGETS,
@@ -135,7 +145,9 @@ def main() -> None:
     parser.add_argument("--variant", choices=["hf", "fusetune", "unsloth"], required=True)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--gradient-checkpointing", nargs="?", const="on", choices=["on", "offload"], default=None
+    )
     parser.add_argument("--largest-batch", action="store_true")
     args = parser.parse_args()
     shape = SHAPES[args.shape]

@@ -6,7 +6,8 @@
 # always). Steps, most important first, each under `timeout` and all within ~9 minutes:
 #   a) import unsloth, versions;  b) bench e2e Llama-3.2-1B b4: hf+peft, fusetune, unsloth;
 #   d) QLoRA 8B b2 with gradient checkpointing: fusetune, unsloth;  c) QLoRA 1B b4: hf, fusetune,
-#   unsloth. The first unsloth step of a shape saves its random weights under /tmp (cached).
+#   unsloth;  e) if time is left, 8B b2 fusetune with offloaded checkpointing (as Unsloth's
+#   mode). The first unsloth step of a shape saves its random weights under /tmp (cached).
 # Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-unsloth}
@@ -64,4 +65,6 @@ echo "== c) QLoRA 1B b4" | tee -a "$OUT/qlora.log"
 for variant in hf fusetune unsloth; do
   qlora llama-3.2-1b 4 "$variant" 70
 done
+echo "== e) QLoRA 8B b2, fusetune with offloaded checkpointing (if time is left)" | tee -a "$OUT/qlora.log"
+((BUDGET - SECONDS > 60)) && qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
 echo "done in $SECONDS s" | tee -a "$OUT/qlora.log"
