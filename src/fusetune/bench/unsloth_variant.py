@@ -133,21 +133,23 @@ def load(
     import unsloth  # noqa: F401 - first, so that it patches transformers before anything uses it
     from unsloth import FastLanguageModel
 
+    # The mode is named at each of Unsloth's three entry points: from_pretrained's default is
+    # "unsloth", and for_training keeps whatever was chosen last.
+    mode = "unsloth" if gradient_checkpointing else False
     model, _ = FastLanguageModel.from_pretrained(
         str(folder), dtype=torch.bfloat16, load_in_4bit=load_in_4bit, max_seq_length=seq_len,
-        local_files_only=True,
+        local_files_only=True, use_gradient_checkpointing=mode,
     )  # fmt: skip
     model = FastLanguageModel.get_peft_model(
         model, r=rank, lora_alpha=alpha, lora_dropout=0, target_modules=targets, bias="none",
-        use_gradient_checkpointing="unsloth" if gradient_checkpointing else False,
-        random_state=0,
+        use_gradient_checkpointing=mode, random_state=0,
     )  # fmt: skip
     model.config.use_cache = False
     torch.manual_seed(0)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
             torch.nn.init.normal_(param, std=0.02)
-    FastLanguageModel.for_training(model)
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=mode)
     return model
 
 
