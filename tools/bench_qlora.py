@@ -165,6 +165,7 @@ def main() -> None:
         max_ms=max(times), tokens_per_s=batch * SEQ_LEN / median * 1e3,
         peak_gib=torch.cuda.max_memory_allocated() / GIB, weights_gib=fixed,
         adapter_dtype=cases_e2e.unsloth_variant.adapter_dtype(model),
+        checkpointed_layers=cases_e2e.unsloth_variant.checkpointed_layers(model),
     )  # fmt: skip
     print("RESULT " + json.dumps(result), flush=True)
     if args.largest_batch:

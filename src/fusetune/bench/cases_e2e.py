@@ -351,6 +351,7 @@ def measure(
         "tokens_per_s": batch * seq_len / (step_ms * 1e-3),
         "tflops_per_s": flops(shape, batch, seq_len, tiny) / (step_ms * 1e-3) / 1e12,
         "adapter_dtype": unsloth_variant.adapter_dtype(model),
+        "checkpointed_layers": unsloth_variant.checkpointed_layers(model),
     }
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base

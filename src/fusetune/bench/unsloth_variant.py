@@ -161,5 +161,10 @@ def adapter_dtype(model: torch.nn.Module) -> str:
     return "-"
 
 
+def checkpointed_layers(model: torch.nn.Module) -> int:
+    """How many modules have gradient checkpointing on (0 in every bench e2e variant)."""
+    return sum(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 if __name__ == "__main__":
     _write_folder(json.loads(sys.argv[1]), Path(sys.argv[2]))
