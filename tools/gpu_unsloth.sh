@@ -47,8 +47,8 @@ print(torch.cuda.get_device_name())
 " 2>&1 | tee -a "$OUT/a-import.log"
 
 echo "== b) bench e2e" | tee "$OUT/b-e2e.log"
-timeout "$(cap 240)" python3 -m fusetune bench e2e --shapes llama-3.2-1b \
-  --variants hf+peft,hf+peft+fusetune,unsloth --steps 20 --max-batch off --timeout 150 \
+timeout "$(cap ${E2E_LIMIT:-240})" python3 -m fusetune bench e2e --shapes llama-3.2-1b \
+  --variants "${E2E_VARIANTS:-hf+peft,hf+peft+fusetune,unsloth}" --steps 20 --max-batch off --timeout 150 \
   --out "$OUT/e2e" 2>&1 | tee -a "$OUT/b-e2e.log"
 
 qlora() { # shape batch variant limit [flags]
