@@ -185,11 +185,17 @@ def test_finetune_compile_compare_runs_both_compiled(tmp_path, capsys):
     assert "throughput" in out and "first 1 step left out" in out
 
 
-def test_finetune_compile_refuses_offloaded_checkpointing(tmp_path, capsys):
-    argv = ["--compile", "--gradient-checkpointing", "offload", "--output", str(tmp_path / "o")]
-    assert main(argv) == 2
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gradient-checkpointing", "offload", "--full"], "--gradient-checkpointing on"),
+        (["--gradient-checkpointing"], "with LoRA, not with --gradient-checkpointing"),
+    ],
+)
+def test_finetune_compile_refuses_checkpointing_it_cannot_trace(tmp_path, capsys, extra, message):
+    assert main(["--compile", *extra, "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "argument --compile" in err and "--gradient-checkpointing on" in err
+    assert "argument --compile" in err and message in err, err
     assert not (tmp_path / "o").exists()
 
 

@@ -215,9 +215,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              "--resume)")  # fmt: skip
     if args.compile and args.gradient_checkpointing == "offload":
         build_parser().error(
-            "argument --compile: not with --gradient-checkpointing offload (its reentrant "
-            "checkpoint and host-copy hooks do not trace into one graph); use "
-            "--gradient-checkpointing on"
+            "argument --compile: not with --gradient-checkpointing offload (dynamo does not "
+            "trace its saved-tensor hooks: a graph break in every layer); use "
+            "--gradient-checkpointing on (with --full)"
+        )
+    if args.compile and args.gradient_checkpointing and not args.full:
+        # measured: fusetune's fused q/k/v LoRA hands k and v from the q_proj call to the k_proj
+        # and v_proj calls through its own state, which torch's traced checkpoint (a
+        # higher-order op) may not write: the stack would fall back to a graph per layer
+        build_parser().error(
+            "argument --compile: with LoRA, not with --gradient-checkpointing (the fused q/k/v "
+            "LoRA breaks the checkpointed graph in every layer); use one of them, or --full"
         )
     args.device = resolve_device(args.device)
     if args.lr is None:
