@@ -7,7 +7,13 @@ A sampled step cannot equal a one-process step: each rank draws its completions 
 generator, seeded as the single process is but drawing for fewer rows, so the completions (and
 the rewards, advantages and loss) differ. Near-greedy sampling (temperature 1e-4) removes the
 draw: the first step's reward, over the same global prompts, then equals the single process's.
-Subprocesses without the interpreter switch, as a user runs them (CPU: the reference path)."""
+Subprocesses without the interpreter switch, as a user runs them (CPU: the reference path).
+
+``--fsdp`` shards with accelerate's FSDP2 plugin, which accelerate 1.15 turns on for multi-GPU
+runs only: on CPU ranks (gloo) it would run DDP, so the command stops with the reason (checked
+on the CPU); on 2 GPUs the FSDP2 run is checked against one process as above, with the
+parameters really sharded, TRL's head served by fusetune and a consolidated adapter saved.
+The head's numbers on sharded weights (gradients included) are tests/test_trl_fsdp.py's."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 COMMAND = ["-m", "fusetune", "grpo", "--batch-size", "8", "--precision", "fp32"]
 
 
-def grpo(ranks: int, output, *options: str) -> subprocess.CompletedProcess:
+def grpo(ranks: int, output, *options: str, ok: bool = True) -> subprocess.CompletedProcess:
     interpreter = ("FUSETUNE_INTERPRET", "TRITON_INTERPRET")
     env = {k: v for k, v in os.environ.items() if k not in interpreter}
     launcher = [sys.executable]
@@ -38,7 +44,7 @@ def grpo(ranks: int, output, *options: str) -> subprocess.CompletedProcess:
         [*launcher, *COMMAND, "--output", str(output), *options],
         capture_output=True, text=True, timeout=600, env=env, check=False,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.returncode == 0) == ok, done.stderr[-3000:]
     return done
 
 
@@ -58,6 +64,7 @@ def test_two_ranks_train_and_rank0_saves(tmp_path):
     run = record(output)
     assert len(run["rewards"]) == 2 and all(map(math.isfinite, run["rewards"])), run
     assert run["fused_head_calls"] == 2, run  # TRL's head through fusetune on every step
+    assert run["sharded_parameters"] == 0, run  # DDP: every rank a full replica
 
 
 def test_two_ranks_first_reward_equals_one_process(tmp_path):
@@ -67,3 +74,31 @@ def test_two_ranks_first_reward_equals_one_process(tmp_path):
     one, two = record(tmp_path / "one"), record(tmp_path / "two")
     assert two["rewards"] == pytest.approx(one["rewards"], abs=1e-6), (one, two)
     assert two["tokens"] == one["tokens"]  # the same global prompts and completion lengths
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate shards on GPUs: the test below")
+def test_fsdp_on_cpu_ranks_says_why(tmp_path):
+    done = grpo(2, tmp_path / "out", "--steps", "1", "--fsdp", ok=False)
+    assert "--fsdp: accelerate" in done.stderr and "MULTI_CPU" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="accelerate's FSDP2 runs on GPUs only")
+def test_fsdp_two_gpus_first_reward_equals_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    options = ("--steps", "1", "--temperature", "1e-4")
+    grpo(1, tmp_path / "one", *options)
+    done = grpo(2, tmp_path / "two", *options, "--fsdp")
+    assert done.stderr.count("2 ranks (FSDP2)") == 1 and done.stdout.count("saved: ") == 1
+    one, two = record(tmp_path / "one"), record(tmp_path / "two")
+    assert two["sharded_parameters"] > 0, two  # FSDP2's DTensors, not replicas
+    assert two["fused_head_calls"] == 1, two  # TRL's head through fusetune on the step
+    assert two["rewards"] == pytest.approx(one["rewards"], abs=1e-6), (one, two)
+    assert two["tokens"] == one["tokens"]
+    adapters = [
+        load_file(str(tmp_path / run / "adapter_model.safetensors")) for run in ("one", "two")
+    ]
+    assert {k: v.shape for k, v in adapters[1].items()} == {
+        k: v.shape for k, v in adapters[0].items()
+    }  # consolidated: every LoRA matrix whole, as one process saves it

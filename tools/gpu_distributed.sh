@@ -4,6 +4,7 @@
 # (trl, datasets, dill, multiprocess) and .peers (Liger). Logs under $OUT.
 #   bash tools/gpu_distributed.sh tests   # under NCCL: FSDP2 (layouts, PEFT LoRA, tied, bf16
 #                                         # MixedPrecisionPolicy), ZeRO-3, grpo under torchrun
+#                                         # (DDP and --fsdp), TRL's head on FSDP2 shards
 #   bash tools/gpu_distributed.sh bench   # FSDP2 full fine-tuning at 1 and 2 GPUs, 3 variants
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-distributed}
@@ -17,7 +18,7 @@ export PYTHONPATH=src:tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 case "${1:-tests}" in
   tests)
     timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py \
-      tests/test_grpo_distributed.py 2>&1 \
+      tests/test_grpo_distributed.py tests/test_trl_fsdp.py 2>&1 \
       | tee "$OUT/distributed-tests.log" | tail -30
     ;;
   bench)

@@ -38,14 +38,15 @@ decoder layers, then the root), the root's forward has gathered it and TRL hands
 unsharded parameter: its gradient goes to FSDP's reduce-scatter as any parameter's. With
 ``fully_shard`` applied to ``lm_head`` itself (torchtitan's layout), TRL's forward reads a
 sharded DTensor and gathers it with ``full_tensor()``, whose backward keeps each rank's own
-gradient: the head's gradient is then not reduced over ranks (TRL 1.16, its own kernel too;
-tests/test_trl_fsdp.py shows it). :func:`apply` wraps TRL's fused forward so that such a head
-runs fusetune's kernel inside the head module's own call (:func:`run_inside`): FSDP's hooks
-gather the weight once for the call (the kernel tiles rows over the whole weight, no gather per
-chunk), free it as configured, and reduce-scatter its gradient. A DTensor head outside an FSDP2
-module and a DeepSpeed ZeRO-3 head warn once (naming the module and the reason): the first is
-served on TRL's gathered weight, the second by TRL's own kernel (its gather context holds the
-weight for the forward only, and fusetune's backward reads it again).
+gradient: the head's gradient is then not reduced over ranks (TRL 1.16 with its own kernel
+too: at 2 gloo ranks the head's gradient was off by its own size, the rest exact).
+:func:`apply` wraps TRL's fused forward so that such a head runs fusetune's kernel inside the
+head module's own call (:func:`run_inside`): FSDP's hooks gather the weight once for the call
+(the kernel tiles rows over the whole weight, no gather per chunk), free it as configured, and
+reduce-scatter its gradient. A DTensor head outside an FSDP2 module and a DeepSpeed ZeRO-3 head
+warn once (naming the module and the reason): the first is served on TRL's gathered weight, the
+second by TRL's own kernel (its gather context holds the weight for the forward only, and
+fusetune's backward reads it again).
 """
 
 from __future__ import annotations
