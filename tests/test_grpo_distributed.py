@@ -102,3 +102,11 @@ def test_fsdp_two_gpus_first_reward_equals_one_process(tmp_path):
     assert {k: v.shape for k, v in adapters[1].items()} == {
         k: v.shape for k, v in adapters[0].items()
     }  # consolidated: every LoRA matrix whole, as one process saves it
+
+
+def test_fsdp_on_one_process_is_a_usage_error(capsys, monkeypatch):
+    from fusetune.grpo import command
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert command.main(["--fsdp"]) == 2
+    assert "argument --fsdp: shards over ranks" in capsys.readouterr().err
