@@ -162,7 +162,7 @@ def test_compiled_stack_trains_as_the_eager_patched_model(model_type):
 # ----------------------------------------------------------------------------- finetune --compile
 
 COMPILE = "default" if ON_GPU else "aot_eager"
-TINY_RUN = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--precision", "fp32"]
+TINY_RUN = ["--steps", "3", "--batch-size", "1", "--seq-len", "24", "--precision", "fp32"]
 
 
 def test_finetune_compile_compare_runs_both_compiled(tmp_path, capsys):
