@@ -14,7 +14,7 @@ COMMANDS = {
     "finetune": "LoRA (or full) fine-tuning of a causal LM with fusetune applied",
     "grpo": "GRPO (RL with verifiable rewards) through TRL's GRPOTrainer with fusetune applied",
     "generate": "complete a prompt with a model and, optionally, a fine-tuned LoRA adapter",
-    "bench": "time ops (or 'bench e2e': whole training steps) next to torch and peers",
+    "bench": "time ops (or 'bench e2e [--nproc N]': whole training steps) next to torch and peers",
 }
 
 
@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         from fusetune.bench.cases_e2e_grpo import main as e2e_grpo_main
 
         return e2e_grpo_main(rest[1:])
+    if rest[:1] == ["e2e"] and any(a.split("=")[0] == "--nproc" for a in rest[1:]):
+        # on N GPUs under FSDP2 / ZeRO-3: a torchrun launch per variant and size
+        from fusetune.bench.distributed import main as distributed_main
+
+        return distributed_main(rest[1:])
     if rest[:1] == ["e2e"]:  # whole training steps: its own runner (a subprocess per variant)
         from fusetune.bench.cases_e2e import main as e2e_main
 

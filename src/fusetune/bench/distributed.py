@@ -1,0 +1,310 @@
+"""``python -m fusetune bench e2e --nproc N``: training steps on N GPUs under FSDP2 or DeepSpeed
+ZeRO-3, for HF (+ PEFT for LoRA), + Liger-Kernel and + fusetune, each also on 1 GPU for the
+scaling efficiency (tokens/s per GPU at N over that at 1, the same variant and engine).
+
+Every variant at every size is its own torchrun launch (``fusetune.bench.distributed_worker``
+says what a launch builds and measures): Liger patches transformers for the whole process, and
+a failed launch must not take the others down. Where the machine has several GPUs the 1-GPU
+launches run side by side, one GPU each. A launch that fails gives a row naming its error
+(Liger's fused loss on a sharded head, an out-of-memory error, a timeout). Without a GPU:
+tiny configs over gloo, Liger and ZeRO-3 skipped (the plumbing's smoke run).
+
+Rows: tokens/s per GPU and peak GiB per GPU (the largest rank's ``max_memory_allocated``), the
+step's min / median / max ms, fusetune's fused-loss calls against the steps run (warm-up
+included), the scaling efficiency. Written to ``e2e-distributed.json`` / ``.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusetune.bench.cases_e2e import DEFAULT_SHAPES, SEQ_LEN, SHAPES, TINY_BATCH, TINY_SEQ_LEN
+
+VARIANTS = ("hf", "liger", "fusetune")
+ENGINES = ("fsdp2", "zero3")
+TAG = "RESULT "
+LAUNCH_TIMEOUT_S = 240
+FIRST_PORT = 29611
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fusetune bench e2e --nproc N",
+        description="Training steps on N GPUs (FSDP2 or DeepSpeed ZeRO-3) against 1 GPU: "
+        "HF (+PEFT), + Liger-Kernel, + fusetune; tokens/s and peak GiB per GPU, scaling.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per launch")
+    parser.add_argument("--engine", default="fsdp2", help="fsdp2, zero3 or both (comma list)")
+    parser.add_argument("--full", action="store_true", help="full fine-tuning")
+    parser.add_argument("--lora", action="store_true", help="LoRA (the default; both: both)")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {list(SHAPES)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="of hf, liger, fusetune")
+    parser.add_argument("--batch", type=int, default=None, help="per GPU (default: e2e's)")
+    parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (median; 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
+    parser.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="per launch, s")
+    parser.add_argument("--no-single", action="store_true", help="skip the 1-GPU launches")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
+    parser.add_argument("--out", default="bench_results", help="folder for results and logs")
+    return parser
+
+
+def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
+    """One job per shape x engine x mode x variant, in that order (the first are kept when a
+    time limit cuts the run)."""
+    modes = [m for m, on in (("full", args.full), ("lora", args.lora)) if on] or ["lora"]
+    found = []
+    for key, engine, mode, variant in itertools.product(
+        _pick(args.shapes, SHAPES, "--shapes"),
+        _pick(args.engine, ENGINES, "--engine"),
+        modes,
+        _pick(args.variants, VARIANTS, "--variants"),
+    ):
+        batch = args.batch or (TINY_BATCH if tiny else SHAPES[key].batch)
+        seq_len = args.seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
+        job = dict(engine=engine, mode=mode, shape=key, variant=variant, batch=batch)
+        found.append({**job, "seq_len": seq_len, "steps": args.steps, "warmup": args.warmup,
+                      "tiny": tiny})  # fmt: skip
+    return found
+
+
+def _pick(text: str, known, option: str) -> list[str]:
+    picked = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [p for p in picked if p not in known]
+    if unknown or not picked:
+        raise SystemExit(f"error: {option}: unknown {unknown or text!r}; known: {', '.join(known)}")
+    return picked
+
+
+def not_run(job: dict[str, Any], cuda: bool) -> str | None:
+    """Why a job cannot run here (a note, not an error), or None."""
+    if not cuda and job["variant"] == "liger":
+        return "skipped: Liger-Kernel needs CUDA"
+    if not cuda and job["engine"] == "zero3":
+        return "skipped: DeepSpeed ZeRO-3 runs here on GPUs only"
+    return None
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+class Launch:
+    """One torchrun group in its own session (so a timeout ends every rank), output to a log."""
+
+    def __init__(self, job: dict[str, Any], nproc: int, port: int, log: Path, gpus: str | None):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                   "-m", "fusetune.bench.distributed_worker", json.dumps(job)]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        self.job, self.nproc, self.log = job, nproc, log
+        self.started = time.monotonic()
+        with open(log, "w") as sink:
+            sink.write(f"$ {' '.join(command)}\n")
+            sink.flush()
+            self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)  # fmt: skip
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        left = max(1.0, timeout_s - (time.monotonic() - self.started))
+        try:
+            code = self.process.wait(timeout=left)
+            failure = f"exit status {code}" if code else None
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            failure = f"timed out after {timeout_s:.0f} s"
+        row = {**self.job, "nproc": self.nproc, "log": self.log.name}
+        return {**row, **parse_output(self.log.read_text(errors="replace"), failure)}
+
+
+def parse_output(text: str, failure: str | None) -> dict[str, Any]:
+    """The launch's result: rank 0's RESULT line, or an error naming the first failure seen
+    (a rank's own RESULT error line, else the last ``XError: message`` line, else ``failure``)."""
+    results = [json.loads(line[len(TAG) :]) for line in text.splitlines() if line.startswith(TAG)]
+    errors = [r for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]["error"]}
+    if results and not failure:
+        return results[-1]
+    named = [m for m in map(ERROR_LINE.match, text.splitlines()) if m]
+    named = [m for m in named if not m.group(1).endswith("ChildFailedError")]
+    if named:
+        why = f"{named[-1].group(1)}: {named[-1].group(2).strip()}"[:300]
+        return {"error": f"{why} ({failure})" if failure and "timed out" in failure else why}
+    return {"error": failure or "no RESULT line"}
+
+
+def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
+    """Every job at 1 GPU (side by side where the machine has several) then at --nproc."""
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    tiny = args.tiny or not cuda
+    out = Path(args.out)
+    ports = itertools.count(FIRST_PORT)
+    rows: list[dict[str, Any]] = []
+
+    def finish(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(f"[e2e --nproc] {describe(row)} = {brief(row)}", file=sys.stderr, flush=True)
+        on_row(rows)
+
+    for group in _groups(jobs(args, tiny)):
+        runnable = []
+        for job in group:
+            why = not_run(job, cuda)
+            if why:
+                finish({**job, "nproc": args.nproc, "note": why})
+            else:
+                runnable.append(job)
+        sizes = ([] if args.no_single or args.nproc == 1 else [1]) + [args.nproc]
+        for nproc in sizes:
+            side_by_side = max(1, gpus // nproc) if cuda else 1
+            for wave in _chunks(runnable, side_by_side):
+                launches = []
+                for slot, job in enumerate(wave):
+                    devices = _devices(slot, nproc) if cuda and len(wave) > 1 else None
+                    log = out / f"launch-{_name(job)}-n{nproc}.log"
+                    print(f"[e2e --nproc] {describe({**job, 'nproc': nproc})} ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    launches.append(Launch(job, nproc, next(ports), log, devices))
+                for launch in launches:
+                    finish(launch.wait(args.timeout))
+    return rows
+
+
+def _groups(found: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Jobs grouped by shape, engine and mode (the variants compared in one table block)."""
+    key = lambda job: (job["shape"], job["engine"], job["mode"])  # noqa: E731
+    return [list(group) for _, group in itertools.groupby(found, key)]
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _devices(slot: int, nproc: int) -> str:
+    return ",".join(str(slot * nproc + i) for i in range(nproc))
+
+
+def _name(job: dict[str, Any]) -> str:
+    return f"{job['engine']}-{job['mode']}-{job['shape']}-{job['variant']}"
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def with_scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with ``efficiency``: its tokens/s per GPU over the 1-GPU row of the same
+    engine, mode, shape and variant (None where either is missing)."""
+    key = lambda r: (r["engine"], r["mode"], r["shape"], r["variant"])  # noqa: E731
+    single = {key(r): r.get("tokens_per_s_per_gpu") for r in rows if r["nproc"] == 1}
+    done = []
+    for row in rows:
+        base, tps = single.get(key(row)), row.get("tokens_per_s_per_gpu")
+        efficiency = tps / base if tps and base and row["nproc"] > 1 else None
+        done.append({**row, "efficiency": efficiency})
+    return done
+
+
+HEADER = ("engine", "mode", "shape", "variant", "GPUs", "tok/s/GPU", "peak GiB/GPU",
+          "step ms min/med/max", "fused calls", "scaling", "note")  # fmt: skip
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [_cells(row) for row in with_scaling(rows)]
+    widths = [max(len(x) for x in column) for column in zip(HEADER, *lines, strict=True)]
+    right = {4, 5, 6, 7, 8, 9}
+
+    def render(cells) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in pairs).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([render(HEADER), rule, *(render(line) for line in lines)])
+
+
+def _cells(row: dict[str, Any]) -> tuple[str, ...]:
+    timed = "step_ms" in row
+    keys = ("step_ms_min", "step_ms", "step_ms_max")
+    steps = "/".join(f"{row[k]:.0f}" for k in keys) if timed else "-"
+    counted = timed and row["variant"] == "fusetune"
+    calls = f"{row['fused_calls']}/{row['steps']}" if counted else "-"
+    peak = row.get("peak_gib_per_gpu")
+    note = ("ERROR " + row["error"]) if row.get("error") else row.get("note", "")
+    if row.get("fallback_warnings"):
+        note = (note + " " if note else "") + "WARNED " + "; ".join(row["fallback_warnings"])
+    return (
+        row["engine"],
+        row["mode"],
+        SHAPES[row["shape"]].name + (" (tiny)" if row.get("tiny") else ""),
+        _variant_name(row),
+        str(row["nproc"]),
+        f"{row['tokens_per_s_per_gpu']:,.0f}" if timed else "-",
+        f"{peak:.2f}" if peak is not None else "-",
+        steps,
+        calls,
+        f"{row['efficiency']:.0%}" if row.get("efficiency") else "-",
+        note,
+    )
+
+
+def _variant_name(row: dict[str, Any]) -> str:
+    if row["mode"] != "lora":
+        return row["variant"]
+    return "hf+peft" if row["variant"] == "hf" else f"hf+peft+{row['variant']}"
+
+
+def describe(row: dict[str, Any]) -> str:
+    return f"{row['engine']} {row['mode']} {row['shape']} {row['variant']} x{row['nproc']}"
+
+
+def brief(row: dict[str, Any]) -> str:
+    if row.get("error"):
+        return "ERROR " + row["error"]
+    if "step_ms" not in row:
+        return row.get("note", "-")
+    peak = row.get("peak_gib_per_gpu")
+    memory = f", {peak:.2f} GiB/GPU" if peak is not None else ""
+    return f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {row['step_ms']:.1f} ms{memory}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0, or 1 when a fusetune launch failed or fell back to the logits path."""
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        data = {"argv": argv if argv is not None else sys.argv[1:], "rows": with_scaling(rows)}
+        (out / "e2e-distributed.json").write_text(json.dumps(data, indent=2) + "\n")
+
+    rows = run_all(args, save)
+    text = format_table(rows)
+    print(text, flush=True)
+    (out / "e2e-distributed.txt").write_text(text + "\n")
+    bad = [r for r in rows if r["variant"] == "fusetune" and not_fused(r)]
+    return 1 if bad else 0
+
+
+def not_fused(row: dict[str, Any]) -> bool:
+    if row.get("note"):
+        return False
+    return bool(row.get("error") or row.get("fallback_warnings")) or (
+        row["fused_calls"] != row["steps"]
+    )

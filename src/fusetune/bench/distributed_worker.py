@@ -1,0 +1,199 @@
+"""One launch of ``bench e2e --nproc N``: every rank of a torchrun group builds one variant's
+model, wraps it in the engine, times the steps, and rank 0 prints one ``RESULT {json}`` line
+(a rank that fails prints ``RESULT {"error": ...}`` first, so the parent can name the error).
+
+Models (random weights, shapes of ``cases_e2e.SHAPES``), fp32 parameters:
+- full fine-tuning under FSDP2: the head untied and sharded on its own (as torchtitan does; the
+  layout where a fused loss must gather a sharded head), every decoder layer, then the root;
+- LoRA (PEFT r=16 alpha=32 on every linear layer, base frozen) under FSDP2: the real tied
+  embeddings, the head in the root group;
+- ZeRO-3 (either mode): the real tied embeddings, DeepSpeed partitions everything.
+FSDP2 runs with ``MixedPrecisionPolicy(bf16 parameters, fp32 reductions)``, fp32 masters and
+torch's fused AdamW; ZeRO-3 with ``bf16`` on (bf16 parameters, fp32 masters) and
+``"torch_adam": true`` (no DeepSpeed CUDA op to build). On a machine without a GPU: gloo, tiny
+configs (the plumbing's smoke run).
+
+Usage: torchrun --nproc_per_node N -m fusetune.bench.distributed_worker '{"engine": ...}'
+(``python -m fusetune bench e2e --nproc N`` writes the job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fusetune.bench.cases_e2e import ALPHA, RANK, SHAPES, _targets, apply_liger, model_config
+
+TAG = "RESULT "
+LR = 1e-5
+
+
+def setup() -> torch.device:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def build(job: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """The variant's fp32 model: Liger patched in before building, PEFT LoRA, fusetune.apply."""
+    import transformers
+
+    shape = SHAPES[job["shape"]]
+    if job["variant"] == "liger":
+        apply_liger(shape.model_type)
+    config = model_config(shape, job["tiny"])
+    if job["engine"] == "fsdp2" and job["mode"] == "full":
+        config.tie_word_embeddings = False  # a head of its own, to shard on its own
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if job["mode"] == "lora":
+        import peft
+
+        lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                               target_modules=_targets(shape))  # fmt: skip
+        model = peft.get_peft_model(model, lora)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
+                torch.nn.init.normal_(param, std=0.02)
+    if job["variant"] == "fusetune":
+        import fusetune
+
+        fusetune.apply(model)
+    return model
+
+
+def fsdp2_step(model: torch.nn.Module, untied_head: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in causal.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    if untied_head:
+        fully_shard(causal.lm_head, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    fused = next(iter(trained)).device.type == "cuda"
+    optimizer = torch.optim.AdamW(trained, lr=LR, fused=fused)
+
+    def step(ids: torch.Tensor) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def zero3_step(model: torch.nn.Module, batch: int):
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
+
+    def step(ids: torch.Tensor) -> None:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    return step
+
+
+def count_fused_calls() -> list[int]:
+    """fusetune's fused linear cross-entropy calls from causal-LM forwards (one per step when
+    the fused path serves every step)."""
+    from fusetune.integrations import _transformers_forwards as forwards
+
+    calls: list[int] = []
+    fused = forwards.linear_cross_entropy
+    forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    return calls
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], list[str]]:
+    """Step times (ms) after ``warmup`` untimed steps, and fusetune's fallback warnings."""
+    times = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index in range(warmup + steps):
+            sync(ids.device)
+            start = time.perf_counter()
+            step(ids)
+            sync(ids.device)
+            if index >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+    messages = sorted({str(w.message) for w in caught})
+    for message in messages:  # seen in the log, once each
+        print(f"warning: {message}", file=sys.stderr)
+    return times, [m for m in messages if m.startswith("fusetune")]
+
+
+def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build(job, device)
+    vocab = model.config.vocab_size
+    calls = count_fused_calls()
+    if job["engine"] == "zero3":
+        step = zero3_step(model, job["batch"])
+    else:
+        step = fsdp2_step(model, untied_head=job["mode"] == "full")
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, vocab, (job["batch"], job["seq_len"]), generator=generator)
+    times, fallbacks = time_steps(step, ids.to(device), job["warmup"], job["steps"])
+    median = statistics.median(times)
+    peak = None
+    if device.type == "cuda":
+        most = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest rank's peak
+        peak = most.item() / 2**30
+    return dict(world=dist.get_world_size(), step_ms=median, step_ms_min=min(times),
+                step_ms_max=max(times), tokens_per_s_per_gpu=job["batch"] * job["seq_len"]
+                / (median * 1e-3), peak_gib_per_gpu=peak, fused_calls=len(calls),
+                steps=job["warmup"] + job["steps"], fallback_warnings=fallbacks)  # fmt: skip
+
+
+def main(spec: str) -> int:
+    job = json.loads(spec)
+    warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+    device = setup()
+    try:
+        result = measure(job, device)
+    except Exception as exc:  # noqa: BLE001 - the parent's error row names it
+        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(TAG + json.dumps({"error": f"{type(exc).__name__}: {message}"}), flush=True)
+        raise
+    if dist.get_rank() == 0:
+        print(TAG + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

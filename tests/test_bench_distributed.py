@@ -1,0 +1,104 @@
+"""``python -m fusetune bench e2e --nproc N``: the table, the scaling efficiency and the error
+rows from made-up launch outputs, and the whole command on 2 ranks of a tiny model (gloo on the
+CPU, NCCL on 2 GPUs): a torchrun launch per size, the fused loss on every step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fusetune.bench import distributed
+from fusetune.cli import main as cli_main
+
+pytest.importorskip("peft")
+JOB = dict(engine="fsdp2", mode="full", shape="llama-3.2-1b", variant="fusetune", tiny=False)
+TIMED = dict(step_ms=100.0, step_ms_min=95.0, step_ms_max=130.0, peak_gib_per_gpu=20.5,
+             fused_calls=11, steps=11, fallback_warnings=[])  # fmt: skip
+
+
+def row(variant: str, nproc: int, tokens: float | None = None, **extra) -> dict:
+    timed = {} if tokens is None else {**TIMED, "tokens_per_s_per_gpu": tokens}
+    return {**JOB, "variant": variant, "nproc": nproc, **timed, **extra}
+
+
+def test_scaling_is_per_gpu_throughput_over_one_gpu_of_the_same_variant():
+    rows = [row("hf", 1, 40_000.0), row("fusetune", 1, 50_000.0), row("hf", 2, 38_000.0),
+            row("fusetune", 2, 47_500.0), row("liger", 2, error="X")]  # fmt: skip
+    scaled = {(r["variant"], r["nproc"]): r["efficiency"] for r in distributed.with_scaling(rows)}
+    assert scaled[("hf", 2)] == pytest.approx(0.95)
+    assert scaled[("fusetune", 2)] == pytest.approx(0.95)
+    assert scaled[("hf", 1)] is None and scaled[("liger", 2)] is None
+
+
+def test_table_has_error_rows_calls_and_scaling():
+    liger_error = "RuntimeError: aten.mm.default: got mixed torch.Tensor and DTensor"
+    rows = [row("fusetune", 1, 50_000.0), row("fusetune", 2, 45_000.0),
+            row("liger", 2, error=liger_error),
+            row("fusetune", 2, 45_000.0, shape="qwen2.5-0.5b", fused_calls=0,
+                fallback_warnings=["fusetune: lm_head is X"])]  # fmt: skip
+    lines = distributed.format_table(rows).splitlines()
+    assert lines[0].split()[:4] == ["engine", "mode", "shape", "variant"]
+    assert "90%" in lines[3] and "11/11" in lines[3] and "95/100/130" in lines[3]
+    assert "45,000" in lines[3] and "20.50" in lines[3]
+    assert "ERROR " + liger_error in lines[4] and "liger" in lines[4]
+    assert "0/11" in lines[5] and "WARNED fusetune: lm_head is X" in lines[5]
+    assert distributed.not_fused(rows[3]) and not distributed.not_fused(rows[1])
+
+
+def test_parse_output_names_the_error():
+    result = {"tokens_per_s_per_gpu": 1.0}
+    assert distributed.parse_output(f"noise\nRESULT {json.dumps(result)}\n", None) == result
+    # a rank's own error line wins over torchrun's summary
+    own = 'RESULT {"error": "OutOfMemoryError: CUDA out of memory"}\n'
+    text = own + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: boom\n"
+    assert distributed.parse_output(text, "exit status 1") == {
+        "error": "OutOfMemoryError: CUDA out of memory"
+    }
+    # a crash before the worker's try: the last XError line (rank prefix dropped)
+    text = "Traceback\n[rank1]: ImportError: No module named 'deepspeed'\n"
+    assert distributed.parse_output(text, "exit status 1") == {
+        "error": "ImportError: No module named 'deepspeed'"
+    }
+    assert distributed.parse_output("hang\n", "timed out after 9 s") == {
+        "error": "timed out after 9 s"
+    }
+
+
+def test_jobs_order_and_choices():
+    args = distributed.build_parser().parse_args(
+        ["--nproc", "2", "--engine", "fsdp2,zero3", "--full", "--lora", "--shapes", "qwen2.5-0.5b"]
+    )
+    found = distributed.jobs(args, tiny=True)
+    assert [(j["engine"], j["mode"], j["variant"]) for j in found[:4]] == [
+        ("fsdp2", "full", "hf"), ("fsdp2", "full", "liger"), ("fsdp2", "full", "fusetune"),
+        ("fsdp2", "lora", "hf"),
+    ]  # fmt: skip
+    assert len(found) == 2 * 2 * 3 and found[0]["batch"] == 2
+    args.variants = "hf,nope"
+    with pytest.raises(SystemExit, match="--variants: unknown"):
+        distributed.jobs(args, tiny=True)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() == 1,
+    reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
+)
+def test_command_on_two_ranks(tmp_path, capsys):
+    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own: the 1-rank
+    and the 2-rank launch both give a row with the fused loss on every step and a scaling
+    efficiency."""
+    argv = ["bench", "e2e", "--nproc", "2", "--tiny", "--full", "--variants", "fusetune",
+            "--shapes", "llama-3.2-1b", "--steps", "1", "--warmup", "1", "--seq-len", "16",
+            "--out", str(tmp_path)]  # fmt: skip
+    code = cli_main(argv)
+    printed = capsys.readouterr().out
+    rows = json.loads((tmp_path / "e2e-distributed.json").read_text())["rows"]
+    assert [r["nproc"] for r in rows] == [1, 2], rows
+    for got in rows:
+        assert "error" not in got, (got, (tmp_path / got["log"]).read_text()[-3000:])
+        assert got["fused_calls"] == got["steps"] == 2 and got["fallback_warnings"] == []
+        assert got["world"] == got["nproc"]
+    assert rows[1]["efficiency"] > 0 and code == 0
+    assert "fusetune" in printed and "2/2" in printed
