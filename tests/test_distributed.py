@@ -4,8 +4,9 @@ path: that path warns, and a warning fails these runs), with the lm_head in the 
 sharded on its own (as torchtitan does), resharded after forward or not.
 
 Gloo on the CPU (FSDP2 runs there; fusetune's ops run through the interpreter), NCCL on a
-machine with 2 GPUs. DeepSpeed ZeRO-3 runs the same check on the GPU machine
-(tools/gpu_distributed.sh), where deepspeed is carried."""
+machine with 2 GPUs. DeepSpeed ZeRO-3 (against transformers under ZeRO-3) runs on both too
+(DeepSpeed's CPU accelerator with gloo), where deepspeed is installed: it is not a dependency;
+tools/gpu_distributed.sh carries it to the GPU machine."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_unsupported_head_warns_once():
     fusetune.revert(model)
 
 
-def zero3_run(model, rank: int, patch: bool) -> dict:
+def zero3_run(model, rank: int, device, patch: bool) -> dict:
     """STEPS ZeRO-3 steps of ``model`` (fusetune applied or not): losses, gathered
     parameters and the fused-loss calls."""
     import deepspeed
@@ -132,12 +133,12 @@ def zero3_run(model, rank: int, patch: bool) -> dict:
         "zero_optimization": {"stage": 3},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "torch_adam": True}},
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)  # fmt: skip
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
     losses = []
     try:
         for ids in batches(model.config.vocab_size):
-            rows = ids.chunk(WORLD)[rank].cuda()
+            rows = ids.chunk(WORLD)[rank].to(device)
             loss = engine(input_ids=rows, labels=rows).loss
             engine.backward(loss)
             engine.step()
@@ -153,37 +154,64 @@ def zero3_run(model, rank: int, patch: bool) -> dict:
     return {"losses": losses, "params": params, "calls": len(calls)}
 
 
+# "untied": full fine-tuning, the head a parameter of its own; "lora-tied": PEFT LoRA on q/v
+# of a model whose head is its embedding (Llama-3.2-1B's and Qwen2.5-0.5B's layout)
+ZERO3_CASES = ("untied", "lora-tied") if importlib.util.find_spec("peft") else ("untied",)
+
+
 def zero3_worker(rank: int, port: int, results: str) -> None:
+    """Each case under ZeRO-3 on this rank, transformers' run then fusetune's:
+    {case: {"hf": run, "fusetune": run}}. Gloo on the CPU (DeepSpeed's CPU accelerator), NCCL
+    on 2 GPUs."""
     import deepspeed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    torch.cuda.set_device(rank)
-    deepspeed.init_distributed(dist_backend="nccl")
-    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False)
-    runs = {"hf": zero3_run(copy.deepcopy(model), rank, patch=False)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # a fallback to the logits path warns
-        warnings.filterwarnings("ignore", ".*TensorFloat32.*|.*deprecated.*")
-        runs["fusetune"] = zero3_run(model, rank, patch=True)
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    runs = {}
+    for case in ZERO3_CASES:
+        model = variant_model(case)
+        runs[case] = {"hf": zero3_run(copy.deepcopy(model), rank, device, patch=False)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a fallback to the logits path warns
+            warnings.filterwarnings("ignore", ".*TensorFloat32.*|.*deprecated.*")
+            runs[case]["fusetune"] = zero3_run(model, rank, device, patch=True)
     if rank == 0:
         torch.save(runs, results)
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not NCCL, reason="DeepSpeed ZeRO-3 runs on 2 GPUs (tools/gpu_distributed.sh)")
-def test_zero3_matches_unpatched_zero3(tmp_path):
-    """ZeRO-3 partitions the lm_head: the fused loss runs inside its call on every step, and
-    the run equals transformers' own under the same engine (same gradient reduction)."""
-    pytest.importorskip("deepspeed")
-    results = tmp_path / "rank0.pt"
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory) -> dict:
+    pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
+    results = tmp_path_factory.mktemp("zero3") / "rank0.pt"
     mp.spawn(zero3_worker, args=(29517, str(results)), nprocs=WORLD, join=True)
-    runs = torch.load(results)
-    want, got = runs["hf"], runs["fusetune"]
+    return torch.load(results)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() == 1, reason="2 ranks need 2 GPUs (NCCL) or none (gloo)"
+)
+@pytest.mark.parametrize("case", ["untied", "lora-tied"])
+def test_zero3_matches_unpatched_zero3(case, zero3_runs):
+    """ZeRO-3 partitions the lm_head (its own weight, or the embedding it is tied to): the
+    fused loss runs inside its call on every step, and the run equals transformers' own under
+    the same engine (same gradient reduction). With PEFT LoRA only the adapters move."""
+    if case not in zero3_runs:
+        pytest.skip("peft is not installed")
+    want, got = zero3_runs[case]["hf"], zero3_runs[case]["fusetune"]
     assert want["calls"] == 0 and got["calls"] == STEPS, (want["calls"], got["calls"])
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-5)
     for name, param in want["params"].items():
         assert_close(f"param {name}", got["params"][name], param, 1e-5)
+    if case == "lora-tied":
+        initial = dict(variant_model(case).named_parameters())
+        for name, param in got["params"].items():
+            moved = not torch.equal(param, initial[name].detach())
+            assert moved == ("lora_" in name), name  # adapters trained, the base frozen
 
 
 # ----------------------------------------------------------------------------- model variants
@@ -191,9 +219,11 @@ def test_zero3_matches_unpatched_zero3(tmp_path):
 
 def variant_model(case: str):
     """A tiny Llama for ``case``: "lora" (PEFT LoRA on q/v, base frozen, adapters nonzero),
-    "tied" (the lm_head weight is the embedding) or "mixed" (untied, for the bf16 policy)."""
-    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=case == "tied").cpu()
-    if case == "lora":
+    "tied" (the lm_head weight is the embedding), "lora-tied" (both), "untied" or "mixed"
+    (untied, for the bf16 policy)."""
+    tied = case in ("tied", "lora-tied")
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=tied).cpu()
+    if case.startswith("lora"):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(2)
@@ -235,7 +265,9 @@ def counted_run(model, rank, device, patch: bool, policy=None) -> dict:
 
 
 # one process group runs every case (a spawn of 2 ranks costs seconds of imports on the CPU)
-CASES = ("lora", "tied", "mixed") if importlib.util.find_spec("peft") else ("tied", "mixed")
+CASES = ("lora", "lora-tied", "tied", "mixed")
+if not importlib.util.find_spec("peft"):
+    CASES = ("tied", "mixed")
 
 
 def variant_worker(rank: int, init_file: str, results: str) -> None:
@@ -277,11 +309,11 @@ def variant_runs(tmp_path_factory) -> dict:
 
 
 @TWO_RANKS
-@pytest.mark.parametrize("case", ["lora", "tied"])
+@pytest.mark.parametrize("case", ["lora", "lora-tied", "tied"])
 def test_fsdp2_variant_matches_one_process(case, variant_runs):
-    """PEFT LoRA (adapters trained, base frozen, fusetune.apply on the PeftModel) and tied
-    embeddings (the head's weight is the embedding, in the root group) under fully_shard:
-    2 ranks equal one process in fp32, the fused loss on every step."""
+    """PEFT LoRA (adapters trained, base frozen, fusetune.apply on the PeftModel), tied
+    embeddings (the head's weight is the embedding, in the root group) and both under
+    fully_shard: 2 ranks equal one process in fp32, the fused loss on every step."""
     if case not in CASES:
         pytest.skip("peft is not installed")
     model = variant_model(case)
@@ -295,13 +327,14 @@ def test_fsdp2_variant_matches_one_process(case, variant_runs):
     for name, param in want_model.named_parameters():
         assert_close(f"param {name}", got["params"][name], param.detach(), 1e-5)
         trained += param.requires_grad
-    if case == "lora":  # only the adapters train
+    if case.startswith("lora"):  # only the adapters train
         assert trained == 2 * 2 * 2, trained  # 2 layers x (q, v) x (A, B)
         initial = dict(variant_model(case).named_parameters())
         for name in (n for n in got["params"] if "lora_" not in n):
             assert torch.equal(got["params"][name], initial[name]), name
-    else:  # one tensor: the head is the embedding
-        assert want_model.lm_head.weight is want_model.model.embed_tokens.weight
+    if case.endswith("tied"):  # one tensor: the head is the embedding
+        causal = want_model.get_base_model() if case == "lora-tied" else want_model
+        assert causal.lm_head.weight is causal.model.embed_tokens.weight
 
 
 # bf16 parameters in the forward: fusetune's fused loss (fp32 accumulation of bf16 logits)

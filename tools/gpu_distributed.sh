@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Multi-GPU checks on a 2-GPU machine (nvidia-h200-x2). Carry .ds (deepspeed 0.19.8 built with
-# DS_BUILD_OPS=0 + hjson, pydantic, pydantic-core, annotated-types, typing-inspection), .trl
-# (trl, datasets, dill, multiprocess) and .peers (Liger). Logs under $OUT.
-#   bash tools/gpu_distributed.sh tests   # under NCCL: FSDP2 (layouts, PEFT LoRA, tied, bf16
-#                                         # MixedPrecisionPolicy), ZeRO-3, grpo under torchrun
-#                                         # (DDP and --fsdp), TRL's head on FSDP2 shards
-#   bash tools/gpu_distributed.sh bench   # FSDP2 full fine-tuning at 1 and 2 GPUs, 3 variants
+# Multi-GPU checks on a 2-GPU machine (nvidia-h200-x2 or h100-x2). Carry .ds (deepspeed 0.19.8
+# built with DS_BUILD_OPS=0 + its import-time needs), .trl (trl, datasets, dill, multiprocess,
+# xxhash) and .peers (Liger): `bash tools/distributed_wheels.sh` builds all three (~10 MiB).
+# Logs under $OUT.
+#   bash tools/gpu_distributed.sh tests   # under NCCL: FSDP2 (layouts, PEFT LoRA, tied, LoRA +
+#                                         # tied, bf16 MixedPrecisionPolicy), ZeRO-3 (untied,
+#                                         # LoRA + tied), bench e2e --nproc plumbing, finetune
+#                                         # and grpo under torchrun, TRL's head on FSDP2 shards
+#   bash tools/gpu_distributed.sh bench   # bench e2e --nproc 2 in priority order (fits 560 s):
+#     (a) FSDP2 full FT Llama-3.2-1B, (b) FSDP2 LoRA Llama, (c) ZeRO-3 full Llama,
+#     (d) ZeRO-3 LoRA Llama, (e) FSDP2 full / LoRA Qwen2.5-0.5B; each variant (hf, liger,
+#     fusetune) at 1 GPU (two side by side) and 2 GPUs; a step starts only with 60 s left.
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-distributed}
 mkdir -p "$OUT"
@@ -15,18 +20,39 @@ if [ -n "$wheels" ]; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=src:tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+BUDGET_S=${BUDGET_S:-560}
+
+bench_step() {  # bench_step NAME CAP_S ARGS...: one `bench e2e --nproc 2` under the time left
+  local name=$1 cap=$2
+  shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt 60 ]; then
+    echo "=== $name: not run ($left s left of $BUDGET_S)" | tee -a "$OUT/bench-skipped.log"
+    return
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  echo "=== $name (up to $cap s, at ${SECONDS} s)"
+  timeout "$cap" python3 -m fusetune bench e2e --nproc 2 --timeout 150 "$@" \
+    --out "$OUT/bench-$name" 2>&1 | tee "$OUT/bench-$name.log"
+}
+
 case "${1:-tests}" in
   tests)
-    timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py \
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_distributed.py \
+      tests/test_bench_distributed.py tests/test_finetune_distributed.py \
       tests/test_grpo_distributed.py tests/test_trl_fsdp.py 2>&1 \
-      | tee "$OUT/distributed-tests.log" | tail -30
+      | tee "$OUT/distributed-tests.log" | tail -40
     ;;
   bench)
-    for variant in hf liger fusetune; do
-      for n in 1 2; do
-        timeout 150 torchrun --nproc_per_node $n tools/bench_fsdp2.py --variant $variant 2>&1 \
-          | tee -a "$OUT/fsdp2-bench.log" | grep -E "RESULT|Error|error" | tail -2
-      done
-    done
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    llama=(--shapes llama-3.2-1b)
+    bench_step fsdp2-full-llama 200 --engine fsdp2 --full "${llama[@]}"
+    bench_step fsdp2-lora-llama 170 --engine fsdp2 --lora "${llama[@]}"
+    bench_step zero3-full-llama 200 --engine zero3 --full "${llama[@]}"
+    bench_step zero3-lora-llama 200 --engine zero3 --lora "${llama[@]}"
+    bench_step fsdp2-qwen 300 --engine fsdp2 --full --lora --shapes qwen2.5-0.5b
+    echo "=== tables"
+    cat "$OUT"/bench-*/e2e-distributed.txt 2>/dev/null
     ;;
 esac
