@@ -118,6 +118,21 @@ def test_unsupported_head_warns_once():
     fusetune.revert(model)
 
 
+def test_run_inside_keeps_an_instance_forward():
+    """A head whose forward was replaced on the instance (TRL's cast_lm_head_to_fp32) keeps
+    it after fusetune ran a function as its forward; the module's hooks ran around the call."""
+    head = torch.nn.Linear(4, 3)
+    own = head.forward = lambda x: x.float() @ head.weight.float().T
+    seen = []
+    head.register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    out = forwards.run_inside(head, lambda x: x * 2, torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0)) and seen == ["pre"]
+    assert head.forward is own
+    plain = torch.nn.Linear(4, 3)
+    forwards.run_inside(plain, lambda x: x, torch.ones(2))
+    assert "forward" not in plain.__dict__
+
+
 def zero3_run(model, rank: int, device, patch: bool) -> dict:
     """STEPS ZeRO-3 steps of ``model`` (fusetune applied or not): losses, gathered
     parameters and the fused-loss calls."""
@@ -130,7 +145,9 @@ def zero3_run(model, rank: int, device, patch: bool) -> dict:
     forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
     config = {
         "train_micro_batch_size_per_gpu": BATCH // WORLD,
-        "zero_optimization": {"stage": 3},
+        # every parameter partitioned (by default ZeRO-3 keeps those under 1e5 elements whole
+        # on every rank: all of a tiny model's but the embedding)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "torch_adam": True}},
     }
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters

@@ -408,12 +408,17 @@ def _warn_fallback(model: torch.nn.Module, reason: str) -> None:
 def run_inside(module: torch.nn.Module, function: Callable, *args):
     """``function(*args)`` as ``module``'s forward for one call: the module's hooks (an
     engine's weight gathering, its gradient hooks) run around it as around its own forward.
-    ``function`` reads the module's parameters while they are gathered."""
+    ``function`` reads the module's parameters while they are gathered. A forward set on the
+    instance (TRL's cast_lm_head_to_fp32) is put back afterwards."""
+    own = module.__dict__.get("forward")
     module.forward = function
     try:
         return module(*args)
     finally:
-        del module.forward
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def causal_lm_forward(family: Family, original: Callable) -> Callable:
