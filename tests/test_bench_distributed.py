@@ -4,6 +4,7 @@ CPU, NCCL on 2 GPUs): a torchrun launch per size, the fused loss on every step."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -76,6 +77,10 @@ def test_jobs_order_and_choices():
         ("fsdp2", "lora", "hf"),
     ]  # fmt: skip
     assert len(found) == 2 * 2 * 3 and found[0]["batch"] == 2
+    zero3 = {**found[0], "engine": "zero3"}
+    missing = importlib.util.find_spec("deepspeed") is None
+    assert (distributed.not_run(zero3, cuda=True) is not None) == missing  # an honest skip
+    assert distributed.not_run({**found[1], "engine": "fsdp2"}, cuda=False).startswith("skipped")
     args.variants = "hf,nope"
     with pytest.raises(SystemExit, match="--variants: unknown"):
         distributed.jobs(args, tiny=True)

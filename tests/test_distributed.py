@@ -172,8 +172,11 @@ def zero3_run(model, rank: int, device, patch: bool) -> dict:
 
 
 # "untied": full fine-tuning, the head a parameter of its own; "lora-tied": PEFT LoRA on q/v
-# of a model whose head is its embedding (Llama-3.2-1B's and Qwen2.5-0.5B's layout)
-ZERO3_CASES = ("untied", "lora-tied") if importlib.util.find_spec("peft") else ("untied",)
+# of a model whose head is its embedding (Llama-3.2-1B's and Qwen2.5-0.5B's layout);
+# "lora-all": LoRA on every linear layer (the fused groups read their layers' weights)
+ZERO3_CASES = ("untied", "lora-tied", "lora-all")
+if not importlib.util.find_spec("peft"):
+    ZERO3_CASES = ("untied",)
 
 
 def zero3_worker(rank: int, port: int, results: str) -> None:
@@ -192,10 +195,13 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
     for case in ZERO3_CASES:
         model = variant_model(case)
         runs[case] = {"hf": zero3_run(copy.deepcopy(model), rank, device, patch=False)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # a fallback to the logits path warns
-            warnings.filterwarnings("ignore", ".*TensorFloat32.*|.*deprecated.*")
-            runs[case]["fusetune"] = zero3_run(model, rank, device, patch=True)
+        try:  # one case failing (on both ranks alike) must not hide the others
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)  # a fallback warns
+                warnings.filterwarnings("ignore", ".*TensorFloat32.*|.*deprecated.*")
+                runs[case]["fusetune"] = zero3_run(model, rank, device, patch=True)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            runs[case]["fusetune"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     if rank == 0:
         torch.save(runs, results)
     dist.destroy_process_group()
@@ -212,19 +218,24 @@ def zero3_runs(tmp_path_factory) -> dict:
 @pytest.mark.skipif(
     torch.cuda.device_count() == 1, reason="2 ranks need 2 GPUs (NCCL) or none (gloo)"
 )
-@pytest.mark.parametrize("case", ["untied", "lora-tied"])
+@pytest.mark.parametrize("case", ["untied", "lora-tied", pytest.param("lora-all", marks=
+    pytest.mark.xfail(strict=True, reason="known bug (issue 16): fusetune's fused LoRA q/k/v "
+    "group reads k_proj's partitioned base weight outside its module's call under ZeRO-3 "
+    "(IndexError in check_x; found by bench e2e --nproc on the CPU)"))])  # fmt: skip
 def test_zero3_matches_unpatched_zero3(case, zero3_runs):
-    """ZeRO-3 partitions the lm_head (its own weight, or the embedding it is tied to): the
-    fused loss runs inside its call on every step, and the run equals transformers' own under
-    the same engine (same gradient reduction). With PEFT LoRA only the adapters move."""
+    """ZeRO-3 partitions every parameter (the lm_head's own weight, or the embedding it is
+    tied to): the fused loss runs inside the head's call on every step, and the run equals
+    transformers' own under the same engine (same gradient reduction). With PEFT LoRA only
+    the adapters move; on every linear layer, fusetune's fused LoRA groups serve them."""
     if case not in zero3_runs:
         pytest.skip("peft is not installed")
     want, got = zero3_runs[case]["hf"], zero3_runs[case]["fusetune"]
+    assert "error" not in got, got["error"]
     assert want["calls"] == 0 and got["calls"] == STEPS, (want["calls"], got["calls"])
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-5)
     for name, param in want["params"].items():
         assert_close(f"param {name}", got["params"][name], param, 1e-5)
-    if case == "lora-tied":
+    if case.startswith("lora"):
         initial = dict(variant_model(case).named_parameters())
         for name, param in got["params"].items():
             moved = not torch.equal(param, initial[name].detach())
@@ -236,15 +247,17 @@ def test_zero3_matches_unpatched_zero3(case, zero3_runs):
 
 def variant_model(case: str):
     """A tiny Llama for ``case``: "lora" (PEFT LoRA on q/v, base frozen, adapters nonzero),
-    "tied" (the lm_head weight is the embedding), "lora-tied" (both), "untied" or "mixed"
-    (untied, for the bf16 policy)."""
+    "tied" (the lm_head weight is the embedding), "lora-tied" (both), "lora-all" (LoRA on
+    every linear layer: fusetune's fused q/k/v and MLP groups), "untied" or "mixed" (untied,
+    for the bf16 policy)."""
     tied = case in ("tied", "lora-tied")
     model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=tied).cpu()
     if case.startswith("lora"):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(2)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        targets = ["q_proj", "v_proj"] if case != "lora-all" else "all-linear"
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                             init_lora_weights=False)  # fmt: skip
         model = get_peft_model(model, config)
     return model
