@@ -20,6 +20,7 @@ import harness
 from fusetune.ops.linear_attention import gdr_chunk, gdr_recurrent
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_op
 from harness import DEVICE, ON_GPU, assert_close, assert_raises, check_op, matrix, uses_kernels
+from packed import check_bad_cu_seqlens_values, per_sequence
 
 GDR_TOLERANCES = {torch.float32: 5e-5, torch.float16: 1e-2}
 ALGOS = ["chunk", "recurrent"]
@@ -196,21 +197,6 @@ def test_extreme_gates(algo):
     assert all(torch.isfinite(x).all() for x in result.grads.values())
 
 
-def per_sequence(fn, offsets):
-    """``fn`` run on each packed sequence alone, results concatenated: the varlen oracle."""
-
-    def run(q, k, v, g, beta, h0, **kwargs):
-        outs, states = [], []
-        for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-            part = [x[:, start:end] for x in (q, k, v, g, beta)]
-            o, state = with_state(fn)(*part, h0[n : n + 1], **kwargs)
-            outs.append(o)
-            states.append(state)
-        return torch.cat(outs, dim=1), torch.cat(states)
-
-    return run
-
-
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize(
     "dtype,cu_dtype",
@@ -225,7 +211,7 @@ def test_varlen_matches_per_sequence_runs(algo, dtype, cu_dtype):
     cu = torch.tensor(offsets, dtype=cu_dtype, device=DEVICE)
     check_op(
         with_state(fusetune.gated_delta_rule, mode=algo, cu_seqlens=cu),
-        per_sequence(reference_op, offsets),
+        per_sequence(with_state(reference_op), offsets, ("h0",)),
         inputs,
         dtype=dtype,
         cast=list(inputs),
@@ -322,7 +308,7 @@ def test_packed_long_sequences_gpu():
     cu = torch.tensor(offsets, device=DEVICE)
     check_op(
         with_state(fusetune.gated_delta_rule, cu_seqlens=cu),
-        per_sequence(reference_op, offsets),
+        per_sequence(with_state(reference_op), offsets, ("h0",)),
         inputs,
         dtype=torch.float16,
         cast=list(inputs),
@@ -398,19 +384,9 @@ def test_bad_input(mode):
 def test_bad_cu_seqlens_values():
     """Value checks (CPU tensors: on the GPU they would cost a host sync)."""
     x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    for offsets, words in [
-        ([1, 3, 8], "start at 0"),
-        ([0, 5, 3, 8], "non-decreasing"),
-        ([0, 3, 7], "end at T = 8"),
-    ]:
-        assert_raises(
-            ValueError,
-            f"cu_seqlens|{words}",
-            fusetune.gated_delta_rule,
-            *args,
-            cu_seqlens=torch.tensor(offsets),
-        )
+    check_bad_cu_seqlens_values(
+        fusetune.gated_delta_rule, [x[n] for n in ("q", "k", "v", "g", "beta")]
+    )
 
 
 def test_key_dim_limit():

@@ -1,5 +1,5 @@
-"""fusetune.gated_slot_attention (chunk and recurrent kernels) against fusetune.gsa.naive in
-float64, and naive against a direct float64 loop.
+"""fusetune.gated_slot_attention (chunk and recurrent kernels) against its oracle
+(fusetune.reference.gsa, ``naive`` here) in float64, and naive against a direct float64 loop.
 
 Tolerances: GSA chains two recurrent passes and a softmax, and dg is a reverse running sum over
 the whole sequence of terms that cancel, so the single-pass table is loosened here: fp32 5e-5
@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 import fusetune
 import harness
-from fusetune.gsa import naive
+from fusetune.reference.gsa import gated_slot_attention as naive
 from harness import DEVICE, ON_GPU, assert_close, assert_raises, check_op, matrix, uses_kernels
+from packed import check_bad_cu_seqlens_values, per_sequence
 
 GSA_TOLERANCES = {torch.float32: 5e-5, torch.float16: 1e-2}
 ALGOS = ["chunk", "recurrent"]
@@ -180,22 +181,6 @@ def test_larger_dims_and_scale(algo):
     run_check(inputs, torch.bfloat16, algo, kwargs=dict(scale=0.3))
 
 
-def per_sequence(fn, offsets):
-    """``fn`` run on each packed sequence alone, results concatenated: the varlen oracle."""
-
-    def run(q, k, v, s, g, hk0, hv0, **kwargs):
-        outs, hks, hvs = [], [], []
-        for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-            part = [x[:, start:end] for x in (q, k, v, s, g)]
-            o, hk, hv = with_states(fn)(*part, hk0[n : n + 1], hv0[n : n + 1], **kwargs)
-            outs.append(o)
-            hks.append(hk)
-            hvs.append(hv)
-        return torch.cat(outs, dim=1), torch.cat(hks), torch.cat(hvs)
-
-    return run
-
-
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize(
     "dtype,cu_dtype",
@@ -210,7 +195,7 @@ def test_varlen_matches_per_sequence_runs(algo, dtype, cu_dtype):
     cu = torch.tensor(offsets, dtype=cu_dtype, device=DEVICE)
     check_op(
         with_states(fusetune.gated_slot_attention, mode=algo, cu_seqlens=cu),
-        per_sequence(naive, offsets),
+        per_sequence(with_states(naive), offsets, ("hk0", "hv0")),
         inputs,
         dtype=dtype,
         cast=list(inputs),
@@ -357,16 +342,7 @@ def test_bad_input(mode):
 def test_bad_cu_seqlens_values():
     """Value checks (CPU tensors: on the GPU they would cost a host sync)."""
     x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
-    args = [x[n] for n in "qkvsg"]
-    call = fusetune.gated_slot_attention
-    for offsets, words in [
-        ([1, 3, 8], "start at 0"),
-        ([0, 5, 3, 8], "non-decreasing"),
-        ([0, 3, 7], "end at T = 8"),
-    ]:
-        assert_raises(
-            ValueError, f"cu_seqlens|{words}", call, *args, cu_seqlens=torch.tensor(offsets)
-        )
+    check_bad_cu_seqlens_values(fusetune.gated_slot_attention, [x[n] for n in "qkvsg"])
 
 
 def test_positive_gates_rejected_on_cpu():

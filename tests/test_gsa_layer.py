@@ -8,7 +8,7 @@ import torch
 
 import fusetune
 import fusetune.nn.gsa as layer_module
-from fusetune.gsa import naive
+from fusetune.reference.gsa import gated_slot_attention as naive
 from harness import DEVICE, assert_close
 
 

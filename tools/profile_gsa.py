@@ -1,8 +1,8 @@
 """GSA kernel timings on the GPU: the forward and backward ops alone, then a per-kernel profile.
 
     PYTHONPATH=src python tools/profile_gsa.py [B T H D M]
-Uses the library's launch settings (``fusetune.gsa.chunk``); ``tools/tune_gsa.py`` times
-variants of them.
+Uses the library's launch settings (``fusetune.ops.linear_attention.gsa_chunk``);
+``tools/tune_gsa.py`` times variants of them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from fusetune.gsa import api
+from fusetune.ops.linear_attention import gsa as api
 
 
 def main() -> None:

@@ -1,13 +1,17 @@
 """Registers and spills of the chunked GSA kernels on sm_90, compiled on the CPU (no GPU).
 
     PYTHONPATH=src python tools/regs_gsa.py [bf16|fp16|fp32] [varlen] [flags] [warps=N]
+        [dims=K,V,M]
 
-Compiles every kernel of ``fusetune.gsa.chunk`` at the benchmark's constants (K = V = M = 64)
-with the library's warps, then prints ptxas's register count and spill bytes per kernel (the
-cubin's resource usage, through the cuobjdump bundled with Triton). A proxy for occupancy: 255
-registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide. With
-``flags`` every optional path is compiled (initial and final states, final-state gradients, the
-exact pass of bwd_b): a compile check of code the benchmark never runs.
+Compiles every kernel of ``fusetune.ops.linear_attention.gsa_chunk`` at the benchmark's constants
+(K = V = M = 64) with the library's warps, then prints ptxas's register count and spill bytes
+per kernel (the cubin's resource usage, through the cuobjdump bundled with Triton) and the shared
+memory a block takes (``metadata.shared``; H100 limit 232448 bytes). ``dims`` sets the head
+sizes (BK, BV, BM) in place of 64; FUSETUNE_GSA_DOT picks the products' precision as it does for
+the library. A proxy for
+occupancy: 255 registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide.
+With ``flags`` every optional path is compiled (initial and final states, final-state gradients,
+the exact pass of bwd_b): a compile check of code the benchmark never runs.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusetune.gsa import chunk
+from fusetune.ops.linear_attention import gsa_chunk as chunk
 
 # Pointer arguments that are fp32 buffers (everything else is an input-dtype tensor).
 FP32_POINTERS = {
@@ -111,7 +115,7 @@ def report(name: str, fn, dtype: str, flags: dict, warps: int) -> str:
     stack = re.search(r"STACK:(\d+)", out)
     return (
         f"{name:10s} {warps} warps  regs {regs.group(1) if regs else '?':>3s}  "
-        f"stack {stack.group(1) if stack else '?'} B"
+        f"stack {stack.group(1) if stack else '?'} B  shared {compiled.metadata.shared} B"
     )
 
 
@@ -122,6 +126,10 @@ def main() -> None:
     if "flags" in sys.argv[2:]:
         flags.update(HAS_H0=True, STORE_HT=True, HAS_DHT=True, EXACT=True)
     warps = [int(a[6:]) for a in sys.argv[2:] if a.startswith("warps=")]
+    for arg in sys.argv[2:]:
+        if arg.startswith("dims="):
+            sizes = [max(16, triton.next_power_of_2(int(x))) for x in arg[5:].split(",")]
+            SIZES.update(BK=sizes[0], BV=sizes[1], BM=sizes[2])
     for name, fn in chunk.KERNELS.items():
         n_warps = warps[0] if warps else chunk.NUM_WARPS.get(name, 4)
         print(report(name, fn, dtype, flags, n_warps), flush=True)

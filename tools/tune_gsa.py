@@ -2,11 +2,11 @@
 
     PYTHONPATH=src python tools/tune_gsa.py [B T H D M]
 
-A variant is a text substitution on ``fusetune/gsa/chunk.py`` plus the warps per kernel; each is
-loaded as its own module and swapped into ``fusetune.gsa.api``. For every variant: the error of
-o and every gradient against ``fusetune.gsa.naive`` in float64 on a small input (bf16), then the
-forward and backward ops' median times at the benchmark shape and a per-kernel profile. The
-table is printed last.
+A variant is a text substitution on ``fusetune/ops/linear_attention/gsa_chunk.py`` plus the warps
+per kernel; each is loaded as its own module and swapped into ``fusetune.ops.linear_attention.gsa``.
+For every variant: the error of o and every gradient against ``fusetune.reference.gsa`` in
+float64 on a small input (bf16), then the forward and backward ops' median times at the
+benchmark shape and a per-kernel profile. The table is printed last.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from fusetune.gsa import api, chunk, naive
+from fusetune.ops.linear_attention import gsa as api
+from fusetune.ops.linear_attention import gsa_chunk as chunk
+from fusetune.reference.gsa import gated_slot_attention as naive
 
 BLOCKS_8 = dict(states=4, dstates=4, fwd=8, bwd_a=8, bwd_b=8)
 # Measured 2026-11-23 (H100) and dropped: all 8 warps, blocks of 64 tokens (out of shared
@@ -79,7 +81,7 @@ def check(dev, t=300, d=64) -> float:
 def main() -> None:
     if not torch.cuda.is_available():  # smoke run: FUSETUNE_INTERPRET=1, the checks only
         for name, subs, warps, bms in VARIANTS:
-            api.chunk = load_variant(name, subs, warps, bms)
+            api.gsa_chunk = load_variant(name, subs, warps, bms)
             print(name, f"err {check(torch.device('cpu'), t=40, d=16):.1e}")
         return
     shape = tuple(int(x) for x in sys.argv[1:6]) if len(sys.argv) > 5 else (4, 4096, 16, 64, 64)
@@ -91,7 +93,7 @@ def main() -> None:
     for name, subs, warps, bms in VARIANTS:
         began = time.time()
         try:
-            api.chunk = load_variant(name, subs, warps, bms)
+            api.gsa_chunk = load_variant(name, subs, warps, bms)
             err = check(dev)
             fwd = triton.testing.do_bench(
                 lambda: api._forward_impl(q, k, v, s, g, *args, False, True), warmup=25, rep=100
@@ -122,7 +124,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a variant that fails is a result
             rows.append(f"{name:22s} {type(exc).__name__}: {str(exc)[:300]}")
         print(rows[-1], f"({time.time() - began:.0f} s)", flush=True)
-    api.chunk = chunk
+    api.gsa_chunk = chunk
     print(f"\nB{shape[0]} T{shape[1]} H{shape[2]} D{shape[3]} M{shape[4]} bf16, ms per op")
     print("\n".join(rows))
 

@@ -11,12 +11,11 @@ from fusetune import (
     reference,
 )
 from fusetune._utils import backend
-from fusetune.gsa import gated_slot_attention
 from fusetune.integrations.transformers import apply, compile_layers, revert
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
-from fusetune.ops.linear_attention import gated_delta_rule
+from fusetune.ops.linear_attention import gated_delta_rule, gated_slot_attention
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 from fusetune.ops.lm_head import HeadOutput
 from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusetune.gsa import gated_slot_attention
+from fusetune.ops.linear_attention import gated_slot_attention
 
 FEATURE_MAPS = {
     "swish": F.silu,

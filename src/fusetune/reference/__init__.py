@@ -6,6 +6,7 @@ from fusetune.reference.activation import geglu, swiglu
 from fusetune.reference.cross_entropy import cross_entropy
 from fusetune.reference.gated_delta_rule import gated_delta_rule
 from fusetune.reference.grpo import grpo_loss, selective_log_softmax
+from fusetune.reference.gsa import gated_slot_attention
 from fusetune.reference.linear_cross_entropy import linear_cross_entropy
 from fusetune.reference.moe import MoeLora, moe_mlp
 from fusetune.reference.rms_norm import add_rms_norm, rms_norm
@@ -16,6 +17,7 @@ __all__ = [
     "add_rms_norm",
     "cross_entropy",
     "gated_delta_rule",
+    "gated_slot_attention",
     "geglu",
     "grpo_loss",
     "linear_cross_entropy",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fusetune import _utils
+from fusetune.reference._linear_attention import check_one_dtype, check_options
 
 MODES = ("chunk", "recurrent")
 L2NORM_EPS = 1e-6  # FLA's and transformers' eps: x * rsqrt(sum(x^2) + eps)
@@ -85,19 +86,12 @@ def check_gated_delta_args(
                 f"{name} must be [B, T, HV] = {[batch, seq_len, value_heads]} (HV = v's heads), "
                 f"got {tuple(tensor.shape)}"
             )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            "q, k and v must share one dtype (g, beta and initial_state may differ; they are read "
-            f"as fp32), got q {q.dtype}, k {k.dtype}, v {v.dtype}"
-        )
-    _utils.check_number("scale", scale, optional=True)
-    for name, flag in (
-        ("output_final_state", output_final_state),
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    n_seq = batch if cu_seqlens is None else _utils.check_cu_seqlens(cu_seqlens, batch, seq_len)
+    check_one_dtype({"q": q, "k": k, "v": v}, "g, beta and initial_state")
+    flags = {
+        "output_final_state": output_final_state,
+        "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+    }
+    n_seq = check_options(scale, flags, cu_seqlens, batch, seq_len)
     shapes = Shapes(batch, seq_len, key_heads, value_heads, key_dim, value_dim, n_seq)
     if initial_state is not None:
         _utils.check_floating("initial_state", initial_state)

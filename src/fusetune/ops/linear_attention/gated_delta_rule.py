@@ -20,7 +20,7 @@ import torch
 
 from fusetune import _utils
 from fusetune.ops.linear_attention import gdr_chunk, gdr_recurrent
-from fusetune.ops.linear_attention._common import bth_strides, unit_last_stride
+from fusetune.ops.linear_attention._common import bth_strides, slot_count, unit_last_stride
 from fusetune.reference.gated_delta_rule import Shapes, check_gated_delta_args, l2norm
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_gated_delta_rule
 
@@ -87,7 +87,7 @@ class _ChunkRun:
         device, f32 = v.device, torch.float32
         self.bt = gdr_chunk.chunk_size(_utils.INTERPRET, plan.key_dim)
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
-        slots = self.max_chunks + plan.n_seq + 1 if plan.varlen else plan.n_seq * self.max_chunks
+        slots = slot_count(self.max_chunks, plan.n_seq, plan.varlen)
         rows = (plan.batch, plan.seq_len, plan.value_heads)
         self.t_buf = _utils.empty((*rows, self.bt), f32, device)  # (I + A)^-1 per chunk
         self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # the writes D
@@ -197,7 +197,7 @@ def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_fina
     # fp32 per-token buffers between the sweeps, per-value-block partial sums, checkpoints.
     every = gdr_recurrent.CHECKPOINT_EVERY
     blocks = _utils.cdiv(plan.seq_len, every)
-    slots = blocks + plan.n_seq + 1 if plan.varlen else plan.n_seq * blocks
+    slots = slot_count(blocks, plan.n_seq, plan.varlen)
     ckpt = _utils.empty((slots, plan.value_heads, key_dim, value_dim), f32, device)
     e_buf = _utils.empty((*rows, value_dim), f32, device)
     dbeta_buf, dg_buf = (_utils.empty((*rows, nvb), f32, device) for _ in range(2))

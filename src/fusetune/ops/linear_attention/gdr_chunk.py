@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from fusetune._triton import tl, triton
-from fusetune.ops.linear_attention._common import sequence_bounds
+from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
 BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
@@ -83,21 +83,12 @@ def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _slot(i_n, bos, T, i_c, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """Chunk-state slot of chunk ``i_c`` of sequence ``i_n``: packed sequence n owns slots from
-    bos // BT + n on (at most T // BT + N + 1 in all); a batch row cdiv(T, BT) of them."""
-    if VARLEN:
-        return bos // BT + i_n + i_c
-    else:
-        return i_n * tl.cdiv(T, BT) + i_c
-
-
-@triton.jit
 def _load_gates(g_buf, buf_rows, mt):
     """A chunk's log decays g (0 past the end: padding sees no decay), their cumsum G and the
     chunk's total G_last."""
     g = tl.load(g_buf + buf_rows, mask=mt, other=0.0)
-    return g, tl.cumsum(g, axis=0), tl.sum(g, axis=0)
+    gcum, total = gate_sums(g)
+    return g, gcum, total
 
 
 @triton.jit
@@ -210,7 +201,7 @@ def states_kernel(
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
-    first_slot = _slot(i_n, bos, T, 0, BT, VARLEN)
+    first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
     for i_c in range(0, tl.cdiv(eos - bos, BT)):
         start = bos + i_c * BT
@@ -259,7 +250,7 @@ def output_kernel(
     gq, gc, _ = _load_gates(gc_buf, buf_rows, mt)
     Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mt[:, None] & mv[None, :],
                  other=0.0)
-    slot = _slot(i_n, bos, T, i_c, BT, VARLEN)
+    slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
     S0 = tl.load(h_buf + (slot * HV + i_h) * K * V + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
     attn = mm(qc, tl.trans(kc), DOT) * _decays(gq, r, False)
@@ -302,7 +293,7 @@ def dstates_kernel(
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         dS += tl.load(dhT + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
-    first_slot = _slot(i_n, bos, T, 0, BT, VARLEN)
+    first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
     n_chunks = tl.cdiv(eos - bos, BT)
     for j in range(0, n_chunks):
@@ -362,7 +353,7 @@ def bwd_chunk_kernel(
     buf_rows = (i_b * T + rows) * HV + i_h
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    state0 = (_slot(i_n, bos, T, i_c, BT, VARLEN) * HV + i_h) * K * V
+    state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
     # Sums over value columns: dO S0^T, dO D^T, D dS^T, dD S0^T, dD U^T, V . dvb, <dS, S0>.
     dQe = tl.zeros([BT, BK], dtype=tl.float32)
     dKd = tl.zeros([BT, BK], dtype=tl.float32)

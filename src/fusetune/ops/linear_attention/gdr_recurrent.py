@@ -15,7 +15,7 @@ Internal fp32 buffers are contiguous, indexed by row r = (b * T + t) * HV + h.
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.ops.linear_attention._common import sequence_bounds
+from fusetune.ops.linear_attention._common import chunk_slot, sequence_bounds
 
 
 def block_v(value_dim: int, key_dim: int, interpreting: bool) -> int:
@@ -81,16 +81,6 @@ def fwd_kernel(
 
 
 @triton.jit
-def _checkpoint_slot(i_n, bos, T, C: tl.constexpr, VARLEN: tl.constexpr):
-    """First checkpoint slot of sequence ``i_n``: packed sequence n owns slots from
-    bos // C + n on (at most T // C + N + 1 slots in all), a batch row cdiv(T, C) of them."""
-    if VARLEN:
-        return bos // C + i_n
-    else:
-        return i_n * tl.cdiv(T, C)
-
-
-@triton.jit
 def bwd_prep_kernel(
     q, k, v, g, beta, do, h0, e_buf, dq_buf, ckpt, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
@@ -111,7 +101,7 @@ def bwd_prep_kernel(
     do += i_b * sd_b + i_h * sd_h
     tile = ck[:, None] * V + cv[None, :]
     mkv = mk[:, None] & mv[None, :]
-    slot = _checkpoint_slot(i_n, bos, T, C, VARLEN)
+    slot = chunk_slot(i_n, bos, 0, C, tl.cdiv(T, C), VARLEN)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
@@ -155,7 +145,7 @@ def bwd_reverse_kernel(
     dv += i_b * sdv_b + i_h * sdv_h
     tile = ck[:, None] * V + cv[None, :]
     mkv = mk[:, None] & mv[None, :]
-    slot = _checkpoint_slot(i_n, bos, T, C, VARLEN)
+    slot = chunk_slot(i_n, bos, 0, C, tl.cdiv(T, C), VARLEN)
     L = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         L += tl.load(dhT + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)

@@ -1,22 +1,51 @@
-"""Fused recurrent GSA kernels: one program per (sequence, query head) walks the tokens one by
-one with both states [K, M] and [M, V] in registers. For decoding (T = 1) and short sequences.
+"""Recurrent gated slot attention kernels (mode="recurrent"): one program per (sequence, query
+head) walks the tokens one by one with both states [K, M] and [M, V] in registers. For decoding
+(T = 1) and short sequences.
 
-Forward: the recurrence of ``naive``. Backward, in two sweeps (see ``api`` for the math):
+Forward: the recurrence of ``fusetune.reference.gsa``. Backward, in two sweeps (see ``gsa`` for
+the math):
   A (forward in time): recompute the states; dp = do @ Hv^T, da = softmax'(dp), dq = da @ Hk^T;
     keep p, da and r = a*da + p*dp (fp32) for sweep B, and the final-state term of dg.
   B (backward in time): carry dHk and dHv; dk, dv, ds, and dg as a reverse running sum.
-All three kernels share one argument order with the chunked ones (``chunk.py``).
+All three kernels share one argument order with the chunked ones (``gsa_chunk.py``).
 """
 
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import load_gate, load_hk, load_hv, store_states
-from fusetune.ops.linear_attention._common import sequence_bounds
+from fusetune.ops.linear_attention._common import (
+    load_gate,
+    load_hk,
+    load_hv,
+    sequence_bounds,
+    store_states,
+)
 
 
 def constants(seq_len: int, interpreting: bool) -> dict:
     return dict(num_warps=4, BT=1)  # BT: unused here, in the shared signature
+
+
+@triton.jit
+def _token(q, k, v, s, t, sq_t, sk_t, sv_t, ss_t, ck, cv, cm, mk, mv, mm_, scale):
+    """Token ``t``'s q (times scale), k, v and s as fp32, 0 outside the masks."""
+    q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
+    k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
+    v_t = tl.load(v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
+    s_t = tl.load(s + t * ss_t + cm, mask=mm_, other=0.0).to(tl.float32)
+    return q_t, k_t, v_t, s_t
+
+
+@triton.jit
+def _step(hk, hv, q_t, k_t, v_t, s_t, decay, mm_):
+    """One token of both passes: the new states, the slot scores a (-inf on padded slots) and
+    p = softmax(a)."""
+    hk = hk * decay[None, :] + k_t[:, None] * s_t[None, :]
+    a = tl.where(mm_, tl.sum(q_t[:, None] * hk, axis=0), float("-inf"))
+    p = tl.exp(a - tl.max(a, axis=0))
+    p = p / tl.sum(p, axis=0)
+    hv = hv * decay[:, None] + s_t[:, None] * v_t[None, :]
+    return hk, hv, a, p
 
 
 @triton.jit
@@ -47,16 +76,10 @@ def fwd_kernel(
         hk += load_hk(hk0, state, ck, cm, mk, mm_, K, M)
         hv += load_hv(hv0, state, cv, cm, mv, mm_, V, M)
     for t in range(bos, eos):
-        q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
-        k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
-        v_t = tl.load(v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
-        s_t = tl.load(s + t * ss_t + cm, mask=mm_, other=0.0).to(tl.float32)
+        q_t, k_t, v_t, s_t = _token(q, k, v, s, t, sq_t, sk_t, sv_t, ss_t, ck, cv, cm, mk, mv, mm_,
+                                    scale)
         decay = tl.exp(load_gate(g + t * sg_t + cm, mm_))
-        hk = hk * decay[None, :] + k_t[:, None] * s_t[None, :]
-        a = tl.where(mm_, tl.sum(q_t[:, None] * hk, axis=0), float("-inf"))
-        p = tl.exp(a - tl.max(a, axis=0))
-        p = p / tl.sum(p, axis=0)
-        hv = hv * decay[:, None] + s_t[:, None] * v_t[None, :]
+        hk, hv, a, p = _step(hk, hv, q_t, k_t, v_t, s_t, decay, mm_)
         o_t = tl.sum(p[:, None] * hv, axis=0)
         tl.store(o + t * so_t + cv, o_t.to(o.dtype.element_ty), mask=mv)
     if STORE_HT:
@@ -97,17 +120,11 @@ def bwd_a_kernel(
         hk += load_hk(hk0, state, ck, cm, mk, mm_, K, M)
         hv += load_hv(hv0, state, cv, cm, mv, mm_, V, M)
     for t in range(bos, eos):
-        q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
-        k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
-        v_t = tl.load(v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
-        s_t = tl.load(s + t * ss_t + cm, mask=mm_, other=0.0).to(tl.float32)
+        q_t, k_t, v_t, s_t = _token(q, k, v, s, t, sq_t, sk_t, sv_t, ss_t, ck, cv, cm, mk, mv, mm_,
+                                    scale)
         do_t = tl.load(do + t * sdo_t + cv, mask=mv, other=0.0).to(tl.float32)
         decay = tl.exp(load_gate(g + t * sg_t + cm, mm_))
-        hk = hk * decay[None, :] + k_t[:, None] * s_t[None, :]
-        a = tl.where(mm_, tl.sum(q_t[:, None] * hk, axis=0), float("-inf"))
-        p = tl.exp(a - tl.max(a, axis=0))
-        p = p / tl.sum(p, axis=0)
-        hv = hv * decay[:, None] + s_t[:, None] * v_t[None, :]
+        hk, hv, a, p = _step(hk, hv, q_t, k_t, v_t, s_t, decay, mm_)
         dp = tl.sum(hv * do_t[None, :], axis=1)
         da = p * (dp - tl.sum(p * dp, axis=0))
         dq_t = tl.sum(hk * da[None, :], axis=1) * scale
@@ -164,10 +181,8 @@ def bwd_b_kernel(
     dg_run = tl.load(f_buf + pid * M + cm, mask=mm_, other=0.0)
     for i in range(0, eos - bos):
         t = eos - 1 - i
-        q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
-        k_t = tl.load(k + t * sk_t + ck, mask=mk, other=0.0).to(tl.float32)
-        v_t = tl.load(v + t * sv_t + cv, mask=mv, other=0.0).to(tl.float32)
-        s_t = tl.load(s + t * ss_t + cm, mask=mm_, other=0.0).to(tl.float32)
+        q_t, k_t, v_t, s_t = _token(q, k, v, s, t, sq_t, sk_t, sv_t, ss_t, ck, cv, cm, mk, mv, mm_,
+                                    scale)
         do_t = tl.load(do + t * sdo_t + cv, mask=mv, other=0.0).to(tl.float32)
         p = tl.load(p_buf + t * sw_t + cm, mask=mm_, other=0.0)
         da = tl.load(da_buf + t * sw_t + cm, mask=mm_, other=0.0)

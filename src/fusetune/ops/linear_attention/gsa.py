@@ -10,7 +10,7 @@ Math of the backward (per sequence and head; G = cumsum of g, both passes share 
 The dg identity: a_t = exp(G_t) * (...), p_t enters pass 2 as p_t exp(G_t), and s_j enters both
 passes as s_j exp(-G_j); so dL/dG_t = a_t da_t + p_t dp_t - s_t ds_t, and g_t reaches every G_t'
 with t' >= t (the final states depend on G_T).
-The kernels (``fused_recurrent.py``, ``chunk.py``) run it as sweep A (forward in time: dq, and
+The kernels (``gsa_recurrent.py``, ``gsa_chunk.py``) run it as sweep A (forward in time: dq, and
 p, da and r = a*da + p*dp kept in fp32) and sweep B (backward in time: dk, dv, ds, dg, dh0).
 """
 
@@ -21,23 +21,24 @@ import types
 import torch
 
 from fusetune import _utils
-from fusetune.gsa import chunk, fused_recurrent
-from fusetune.gsa._common import (
+from fusetune.ops.linear_attention import gsa_chunk, gsa_recurrent
+from fusetune.ops.linear_attention._common import (
     MAX_DIM,
     UPCAST,
     Geometry,
     bthd_strides,
     dot_mode,
+    slot_count,
     unit_last_stride,
 )
-from fusetune.gsa.checks import MODES, Shapes, check_gsa_args
-from fusetune.gsa.naive import naive
+from fusetune.reference.gsa import MODES, Shapes, check_gsa_args
+from fusetune.reference.gsa import gated_slot_attention as reference_gated_slot_attention
 
 # ============================================================================ host launchers
 
 
 def _kernels(chunked: bool) -> types.ModuleType:
-    return chunk if chunked else fused_recurrent
+    return gsa_chunk if chunked else gsa_recurrent
 
 
 def _geometry(q, k, v, s, cu_seqlens, scale: float, layout: str) -> Geometry:
@@ -177,22 +178,20 @@ def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
 class _ChunkPlan:
     """Chunk-mode sizes: S tokens per program, slots for per-chunk states, the 2-D grids."""
 
-    def __init__(self, geom: Geometry, batch: int) -> None:
-        self.const = chunk.constants(geom.seq_len, _utils.INTERPRET)
+    def __init__(self, geom: Geometry) -> None:
+        self.const = gsa_chunk.constants(geom.seq_len, _utils.INTERPRET)
         self.S = self.const["S"]
         self.max_chunks = _utils.cdiv(geom.seq_len, self.S)
-        # Packed sequence n owns slots [bos // S + n, ...): at most T // S + N + 1 in all.
-        self.slots = (self.max_chunks + geom.n_seq + 1 if geom.varlen
-                      else batch * self.max_chunks)
+        self.slots = slot_count(self.max_chunks, geom.n_seq, geom.varlen)  # per-chunk states
         self.grid = (self.max_chunks, geom.n_seq * geom.q_heads)  # per chunk
         blocks = self.max_chunks * (self.S // self.const["BT"])
         self.block_grid = (blocks, geom.n_seq * geom.q_heads)  # per block of BT tokens
-        self.slot_block = min(chunk.SLOT_BLOCK, geom.blocks["BM"])
+        self.slot_block = min(gsa_chunk.SLOT_BLOCK, geom.blocks["BM"])
         self.slot_blocks = _utils.cdiv(geom.slots, self.slot_block)
 
     def common(self, geom: Geometry, kernel: str) -> dict:
         return dict(BK=geom.blocks["BK"], BV=geom.blocks["BV"], VARLEN=geom.varlen, DOT=geom.dot,
-                    UPCAST=UPCAST, num_warps=chunk.NUM_WARPS[kernel])
+                    UPCAST=UPCAST, num_warps=gsa_chunk.NUM_WARPS[kernel])
 
     def sequential(self, geom: Geometry, kernel: str) -> dict:
         """Launch constants of the kernels that walk whole sequences (per block of slots)."""
@@ -218,7 +217,7 @@ def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=No
     f_buf = _utils.empty((geom.n_seq, heads, geom.slots) if dht else (0,), torch.float32, device)
     dummy = hk_buf
     if geom.n_seq * heads:
-        chunk.states_kernel[(plan.slot_blocks, geom.n_seq * heads)](
+        gsa_chunk.states_kernel[(plan.slot_blocks, geom.n_seq * heads)](
             k, v, s, g, gc, dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
             hk_buf, hv_buf, *(final or (dummy, dummy)), *(dht or (dummy, dummy)), f_buf,
             dummy if cu is None else cu,
@@ -233,7 +232,7 @@ def _run_states(geom, plan, k, v, s, g, hk0, hv0, cu, layout, final=None, dht=No
 def _forward_chunked(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_final_state):
     geom, (q, k, v, s, g), (hk0, hv0), cu = _prepare(q, k, v, s, g, hk0, hv0, cu_seqlens,
                                                      scale, layout)
-    plan = _ChunkPlan(geom, q.shape[0])
+    plan = _ChunkPlan(geom)
     heads = geom.q_heads // geom.group
     hk_shape, hv_shape = _state_shapes(geom, heads) if output_final_state else ((0,), (0,))
     hkT = _utils.empty(hk_shape, torch.float32, q.device)
@@ -242,7 +241,7 @@ def _forward_chunked(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_
                                         final=(hkT, hvT) if output_final_state else None)
     o = _utils.empty(q.shape[:3] + (geom.value_dim,), q.dtype, q.device)
     if plan.max_chunks and geom.n_seq * geom.q_heads:
-        chunk.fwd_kernel[plan.block_grid](
+        gsa_chunk.fwd_kernel[plan.block_grid](
             q, k, v, s, gc, o, hk_buf, hv_buf, o if cu is None else cu,
             *_strides((q, layout), (k, layout), (v, layout), (s, layout), (gc, "BTHD"),
                       (o, layout)),
@@ -256,7 +255,7 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
                       output_final_state):
     geom, (q, k, v, s, g), (hk0, hv0), cu = _prepare(q, k, v, s, g, hk0, hv0, cu_seqlens,
                                                      scale, layout)
-    plan = _ChunkPlan(geom, q.shape[0])
+    plan = _ChunkPlan(geom)
     device, hq, group = q.device, geom.q_heads, geom.group
     do = unit_last_stride(do)
     dht = None
@@ -276,7 +275,7 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     io_strides = _strides((q, layout), (k, layout), (v, layout), (s, layout), (gc, "BTHD"),
                           (do, layout))
     if parallel:
-        chunk.bwd_a_kernel[plan.block_grid](
+        gsa_chunk.bwd_a_kernel[plan.block_grid](
             q, k, v, s, gc, do, dq, p_buf, da_buf, r_buf, hk_buf, hv_buf, cu_arg, *io_strides,
             *_strides((dq, layout), (p_buf, "BTHD")), *sizes, **plan.per_chunk(geom, "bwd_a"),
         )
@@ -285,7 +284,7 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     dhv_buf = _utils.empty((plan.slots, hq, geom.slots, geom.value_dim), torch.float32, device)
     dhk0, dhv0 = (_utils.empty(shape, torch.float32, device) for shape in _state_shapes(geom, hq))
     if geom.n_seq * hq:
-        chunk.dstates_kernel[(plan.slot_blocks, geom.n_seq * hq)](
+        gsa_chunk.dstates_kernel[(plan.slot_blocks, geom.n_seq * hq)](
             q, gc, do, p_buf, da_buf, *(dht or (dq, dq)), dhk_buf, dhv_buf, dhk0, dhv0, cu_arg,
             *_strides((q, layout), (gc, "BTHD"), (do, layout), (p_buf, "BTHD")), *sizes,
             HAS_DHT=dht is not None, **plan.sequential(geom, "dstates"),
@@ -302,13 +301,13 @@ def _backward_chunked(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale
     if parallel:
         steep = _utils.empty((plan.slots, hq), torch.int32, device)  # per chunk
         for exact in (False, True):  # the second pass redoes the chunks with a steep block
-            chunk.bwd_b_kernel[plan.grid](
+            gsa_chunk.bwd_b_kernel[plan.grid](
                 q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, *grads, dg_local,
                 totals, steep, cu_arg, *io_strides,
                 *_strides((p_buf, "BTHD"), *((x, layout) for x in grads)), *sizes,
                 EXACT=exact, **plan.per_chunk(geom, "bwd_b"),
             )
-        chunk.dg_kernel[plan.grid](
+        gsa_chunk.dg_kernel[plan.grid](
             dg_local, totals, f_buf if dht else dq, dg, cu_arg,
             *_strides((dg_local, "BTHD"), (dg, layout)), geom.seq_len, hq, group, geom.slots,
             plan.max_chunks, BM=geom.blocks["BM"], S=plan.S, HAS_DHT=dht is not None,
@@ -421,7 +420,7 @@ def gated_slot_attention(
     """Gated slot attention (Zhang et al., 2024): two gated linear-attention passes over M
     memory slots joined by a softmax over the slots; forward and backward fused.
 
-    Per sequence and head, in fp32 (see ``fusetune.gsa.naive`` for the recurrence):
+    Per sequence and head, in fp32 (see ``fusetune.reference.gsa`` for the recurrence):
         Hk = Hk * exp(g_t)[None, :] + k_t^T s_t;  p_t = softmax(scale * q_t @ Hk)
         Hv = Hv * exp(g_t)[:, None] + s_t^T v_t;  o_t = p_t @ Hv
 
@@ -477,9 +476,10 @@ def gated_slot_attention(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, layout=layout,
     )
     if _utils.backend(q) == "reference":
-        return naive(q, k, v, s, g, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     layout=layout)
+        return reference_gated_slot_attention(
+            q, k, v, s, g, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, layout=layout,
+        )
     _check_kernel_dims(shapes)
     scale = shapes.key_dim**-0.5 if scale is None else float(scale)
     hk0, hv0 = (None, None) if initial_state is None else initial_state

@@ -1,4 +1,4 @@
-"""Chunked GSA kernels.
+"""Chunked gated slot attention kernels (mode="chunk" of :func:`fusetune.gated_slot_attention`).
 
 ``states_kernel`` walks each sequence in chunks of S = 64 tokens and stores every chunk's
 starting states [K, M] and [M, V] (fp32; recomputed in backward, never kept from the forward),
@@ -21,22 +21,24 @@ Per row block (scale folded in; A = q k^T; rows i, columns j; H0 the chunk-start
     o  = (p e) @ Hv0 + sum_j A2[i, j] v_j,   A2[i, j] = sum_m p_i s_j W[i, j]
 Sweep A adds dp = e * (do @ Hv0^T) + sum_j (do_i . v_j) s_j W[i, j], da = softmax'(dp) and
 dq = (da e) @ Hk0^T + B @ k, B[i, j] = sum_m da_i s_j W[i, j]. Sweep B walks each chunk's blocks in
-reverse as columns j, against the chunk-end state gradients and the later blocks i (see ``api``
+reverse as columns j, against the chunk-end state gradients and the later blocks i (see ``gsa``
 for the math).
 """
 
 from __future__ import annotations
 
 from fusetune._triton import tl, triton
-from fusetune.gsa._common import (
+from fusetune.ops.linear_attention._common import (
+    chunk_slot,
+    gate_sums,
     load_gate,
     load_hk,
     load_hv,
     mm,
     mm_inputs,
+    sequence_bounds,
     store_states,
 )
-from fusetune.ops.linear_attention._common import sequence_bounds
 
 SUB_CHUNK = 16  # BT: tokens per block (rows of every tile)
 # S: tokens per chunk; one pair of fp32 states is kept per S tokens (recomputed in backward).
@@ -117,23 +119,13 @@ def _softmax(a, mm_):
 
 
 @triton.jit
-def _slot(i_n, c, bos, S: tl.constexpr, NT, VARLEN: tl.constexpr):
-    """Index of chunk ``c`` of sequence ``i_n`` in the per-chunk buffers. Packed sequences never
-    overlap: sequence n owns [bos // S + n, ...) and needs at most cdiv(length, S) slots."""
-    if VARLEN:
-        return bos // S + i_n + c
-    else:
-        return i_n * NT + c
-
-
-@triton.jit
 def _chunk_span(cu, i_n, c, T, S: tl.constexpr, NT, VARLEN: tl.constexpr):
     """(batch index, sequence end, chunk start, chunk end, slot). A program past the sequence's
     last chunk gets an empty range and slot 0 (read, never written)."""
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
     c0 = bos + c * S
     c_end = tl.minimum(c0 + S, eos)
-    slot = tl.where(c0 < eos, _slot(i_n, c, bos, S, NT, VARLEN), 0)
+    slot = tl.where(c0 < eos, chunk_slot(i_n, bos, c, S, NT, VARLEN), 0)
     return i_b, eos, c0, c_end, slot
 
 
@@ -175,14 +167,13 @@ def states_kernel(
         hk += load_hk(hk0, pid, ck, cm, mk, mm_, K, M)
         hv += load_hv(hv0, pid, cv, cm, mv, mm_, V, M)
     for c in range(0, tl.cdiv(eos - bos, S)):
-        store_states(hk_buf, hv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * H + i_h, hk, hv,
-                      ck, cv, cm, mk, mv, mm_, K, V, M)
+        slot = chunk_slot(i_n, bos, c, S, NT, VARLEN) * H + i_h
+        store_states(hk_buf, hv_buf, slot, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
         gate = load_gate(g + rows[:, None] * sg_t + cm[None, :], mt[:, None] & mm_[None, :])
-        gcum = tl.cumsum(gate, axis=0)
+        gcum, last = gate_sums(gate)
         _store(gc, rows, sc_t, mt, cm, mm_, gcum)
-        last = tl.sum(gate, axis=0)
         sd = _tile(s, rows, ss_t, mt, cm, mm_) * tl.exp(last[None, :] - gcum)
         decay = tl.exp(last)
         hk = hk * decay[None, :] + mm(tl.trans(_tile(k, rows, sk_t, mt, ck, mk)), sd, DOT, UPCAST)
@@ -228,8 +219,8 @@ def dstates_kernel(
     n_chunks = tl.cdiv(eos - bos, S)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        store_states(dhk_buf, dhv_buf, _slot(i_n, c, bos, S, NT, VARLEN) * HQ + i_hq, dhk, dhv,
-                      ck, cv, cm, mk, mv, mm_, K, V, M)
+        slot = chunk_slot(i_n, bos, c, S, NT, VARLEN) * HQ + i_hq
+        store_states(dhk_buf, dhv_buf, slot, dhk, dhv, ck, cv, cm, mk, mv, mm_, K, V, M)
         rows = bos + c * S + tl.arange(0, S).to(tl.int64)
         mt = rows < eos
         e = _decay(_tile(gc, rows, sc_t, mt, cm, mm_), mt)
@@ -595,7 +586,7 @@ def dg_kernel(
             offset += tl.load(f_buf + (i_n * (HQ // GROUP) + i_hq // GROUP) * M + cm, mask=mm_,
                               other=0.0)
     for later in range(c + 1, tl.cdiv(eos - bos, S)):
-        slot = _slot(i_n, later, bos, S, NT, VARLEN) * HQ + i_hq
+        slot = chunk_slot(i_n, bos, later, S, NT, VARLEN) * HQ + i_hq
         offset += tl.load(tot_buf + slot * M + cm, mask=mm_, other=0.0)
     rows = c0 + tl.arange(0, S).to(tl.int64)
     mt = rows < eos
