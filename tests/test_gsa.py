@@ -3,11 +3,17 @@
 
 Tolerances: GSA chains two recurrent passes and a softmax, and dg is a reverse running sum over
 the whole sequence of terms that cancel, so the single-pass table is loosened here: fp32 5e-5
-(the GPU pass measured 1.9e-5 on dg at T = 1000), fp16 1e-2 (on the GPU products of computed
-fp32 operands are tf32, fp16's 10-bit mantissa; dg at T = 1000 measured 6.8e-3). bf16 keeps 1e-2.
+(the GPU pass measured 1.9e-5 on dg at T = 1000), fp16 1e-2 (set when chunk mode's products of
+computed fp32 operands were tf32, fp16's 10-bit mantissa: dg at T = 1000 measured 6.8e-3; they
+are 3xTF32 now, and the fp16 GPU tests of issue 20's shapes below hold both modes to the
+harness's 1e-3). bf16 keeps 1e-2.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -299,6 +305,82 @@ def test_long_sequences_gpu(algo, dtype):
     run_check(inputs, dtype, algo)
 
 
+# Issue 20, item 4: fp16 inputs as a new user makes them (gates = logsigmoid of standard-normal
+# logits, so exp(g) ~ 0.5 and the states keep a long memory). Chunk mode's products of computed
+# fp32 operands ran in tf32 there (fp16's 10-bit mantissa): dg was 1.3-1.5e-2 off and o, dq,
+# dk, dv 1.5-1.8e-3, where recurrent mode was ~2e-4. GPU only: under the interpreter every
+# tl.dot runs in full fp32 and cannot show the fault (and T = 1024 would be slow there). Both
+# modes are held to the same fp16 tolerance, the harness's 1e-3 for every op (not the 1e-2
+# GSA_TOLERANCES allows the rest of this file): chunk mode no looser than recurrent.
+FP16_ISSUE_TOLERANCE = 1e-3
+ISSUE_SHAPES = [(60, 64), (128, 128), (256, 64)]  # (K = V, M)
+ISSUE_PACKED = [(64, [1000, 2000, 1500]), (100, [1200, 1800, 1000])]  # (K = V, lengths)
+
+
+def issue_inputs(batch, seq_len, heads, dim, slots, n_seq=None):
+    """q, k, v standard normal, g = logsigmoid(f) with f standard normal, s = 1 - exp(g), no
+    initial state: float64 CPU tensors."""
+    inputs = make_inputs(
+        batch=batch,
+        seq_len=seq_len,
+        q_heads=heads,
+        heads=heads,
+        key_dim=dim,
+        value_dim=dim,
+        slots=slots,
+        n_seq=n_seq,
+        initial_state=False,
+    )
+    inputs["g"] = F.logsigmoid(torch.randn_like(inputs["g"]))
+    inputs["s"] = 1 - inputs["g"].exp()
+    return inputs
+
+
+def on_device(fn):
+    """``fn`` on DEVICE copies of its tensor arguments, float64 kept: the oracle of the long
+    cases, whose token loop takes a minute and more on the CPU and seconds on the GPU (gradients
+    still reach the CPU leaves check_op made)."""
+
+    def run(**kwargs):
+        return fn(**{n: x.to(DEVICE) if torch.is_tensor(x) else x for n, x in kwargs.items()})
+
+    return run
+
+
+def check_fp16_issue(inputs, algo, cu_seqlens=None):
+    fixed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    check_op(
+        with_states(fusetune.gated_slot_attention, mode=algo, **fixed),
+        on_device(with_states(naive, **fixed)),
+        inputs,
+        dtype=torch.float16,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[torch.float16, torch.float32, torch.float32],
+        tolerance_factor=FP16_ISSUE_TOLERANCE / GSA_TOLERANCES[torch.float16],
+    )
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: the interpreter's dots are full fp32")
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dim,slots", ISSUE_SHAPES, ids=[f"D{d}-M{m}" for d, m in ISSUE_SHAPES])
+def test_fp16_issue_shapes_gpu(algo, dim, slots):
+    torch.manual_seed(0)
+    check_fp16_issue(issue_inputs(2, 1024, 4, dim, slots), algo)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: the interpreter's dots are full fp32")
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dim,lengths", ISSUE_PACKED, ids=[f"D{d}" for d, _ in ISSUE_PACKED])
+def test_fp16_issue_packed_gpu(algo, dim, lengths):
+    torch.manual_seed(0)
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    inputs = issue_inputs(1, offsets[-1], 4, dim, 64, n_seq=len(lengths))
+    check_fp16_issue(inputs, algo, torch.tensor(offsets, device=DEVICE))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -343,6 +425,16 @@ def test_bad_cu_seqlens_values():
     """Value checks (CPU tensors: on the GPU they would cost a host sync)."""
     x = {n: t.float() for n, t in make_inputs(batch=1, seq_len=8).items()}
     check_bad_cu_seqlens_values(fusetune.gated_slot_attention, [x[n] for n in "qkvsg"])
+
+
+def test_bad_dot_precision_env():
+    """FUSETUNE_GSA_DOT (fp16 chunk mode's products of computed operands, read at import) names
+    the allowed modes when it holds another."""
+    env = dict(os.environ, FUSETUNE_GSA_DOT="tf16")
+    code = "import fusetune.ops.linear_attention._common"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "FUSETUNE_GSA_DOT must be one of ('tf32x3', 'ieee', 'tf32'), got 'tf16'" in done.stderr
 
 
 def test_positive_gates_rejected_on_cpu():

@@ -1,9 +1,10 @@
 """What the linear-attention kernels share (gated slot attention's and the gated delta rule's):
-sequence bounds of (packed) sequences, GSA's matmul precision, gate loads and state
+sequence bounds of (packed) sequences, GSA's matmul precision modes, gate loads and state
 load/store helpers, and the host view of [B, T, H, ...] strides."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +43,32 @@ def chunk_slot(i_n, bos, c, S: tl.constexpr, per_row, VARLEN: tl.constexpr):
 
 
 # GSA's matmul precision, from the inputs' dtype; accumulation is fp32 always. Products of two
-# input tiles (q k^T, do v^T) take the inputs as they are: bf16/fp16 tensor cores lose nothing
-# there. Products with a computed fp32 operand (states, probabilities, decayed tiles) use tf32
-# for bf16/fp16 inputs: 8x finer than rounding them to bf16 (the reverse cumsum behind dg
-# cancels heavily and showed 2 % error with bf16 operands), and fp32's range, so a state past
-# 65504 cannot overflow an fp16 operand. fp32 inputs use IEEE fp32 (tf32 would miss the 1e-5
-# contract).
+# input tiles (q k^T, do v^T) take the inputs as they are: bf16/fp16 tensor cores with fp32
+# accumulation lose nothing there. Products with a computed fp32 operand (states, decayed slot
+# weights, probabilities, da, the scores' blocks) keep both operands in fp32 (fp32's range, so a
+# state past 65504 never overflows) and run at:
+# - fp32 inputs: IEEE (tf32 would miss the 1e-5 contract);
+# - fp16 inputs: ``COMPUTED_DOT``, 3xTF32 by default (three tf32 tensor-core products of each
+#   operand split into a tf32 head and its remainder: about fp32's accuracy, still on tensor
+#   cores). It was tf32, whose 10-bit mantissa is fp16's own: rounding everything that feeds the
+#   chunk states, ds and the reverse cumsum behind dg (which cancels heavily) cost, on the H100,
+#   1.3-1.5e-2 on dg and 1.5-1.8e-3 on o, dq, dk, dv against ~2e-4 for recurrent mode (issue 20,
+#   item 4). FUSETUNE_GSA_DOT=ieee|tf32 (read at import) picks another, for measuring
+#   (tools/gsa_precision.py issue) or as a way out should 3xTF32 fault on some Triton;
+# - bf16 inputs: tf32. Its rounding (2^-11) is 4x finer than bf16's own (2^-8), so it stays below
+#   what bf16 outputs and gradients round to, and bf16 (the training dtype) keeps its speed.
 DOT_BF16, DOT_FP16, DOT_FP32 = 0, 1, 2
+COMPUTED_DOTS = ("tf32x3", "ieee", "tf32")
+
+
+def _computed_dot() -> str:
+    mode = os.environ.get("FUSETUNE_GSA_DOT", "tf32x3")
+    if mode not in COMPUTED_DOTS:
+        raise ValueError(f"FUSETUNE_GSA_DOT must be one of {COMPUTED_DOTS}, got {mode!r}")
+    return mode
+
+
+COMPUTED_DOT = tl.constexpr(_computed_dot())
 # Gates below this act as this: exp(-88) ~ 6e-39 is 0 to fp32, and clamping keeps the chunk
 # cumsums finite (an exact -inf gate would give inf - inf inside a chunk).
 GATE_FLOOR = -88.0
@@ -74,10 +94,12 @@ def mm_inputs(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def mm(a, b, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` (fp32) with a computed fp32 operand (an input tile is widened): tf32 for
-    bf16/fp16 inputs, else IEEE."""
+    """``a @ b`` (fp32) with a computed fp32 operand (an input tile is widened): IEEE for fp32
+    inputs, COMPUTED_DOT (3xTF32) for fp16, tf32 for bf16 (see the comment above DOT_BF16)."""
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=COMPUTED_DOT)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
 

@@ -453,8 +453,11 @@ def gated_slot_attention(
 
     Under torch.autocast, q, k, v and s are cast to the autocast dtype (as attention's matmuls
     would be) and o comes back in it; gradients come back in each input's own dtype.
-    Matmul operands: bf16 inputs use bf16 tensor cores, fp16 inputs tf32 (fp16 precision,
-    fp32 range), fp32 inputs IEEE fp32; accumulation, gate cumsums, softmax and the carried
+    Matmuls (chunk mode): products of two input tiles (q k^T, do v^T) run on bf16/fp16 tensor
+    cores as they are (exact, fp32 accumulation); every product with a computed fp32 operand
+    (states, decayed slot weights, probabilities) keeps fp32 operands: IEEE for fp32 inputs,
+    3xTF32 for fp16 (about fp32's accuracy; tf32 rounded them to fp16's own mantissa), tf32 for
+    bf16 (finer than bf16's rounding). Accumulation, gate cumsums, softmax and the carried
     states are fp32 always.
 
     Raises:
