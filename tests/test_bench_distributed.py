@@ -49,22 +49,36 @@ def test_table_has_error_rows_calls_and_scaling():
 
 
 def test_parse_output_names_the_error():
-    result = {"tokens_per_s_per_gpu": 1.0}
-    assert distributed.parse_output(f"noise\nRESULT {json.dumps(result)}\n", None) == result
+    hf, fusetune = {**JOB, "variant": "hf"}, JOB
+    result = {"variant": "fusetune", "tokens_per_s_per_gpu": 1.0}
+    text = f'noise\nRESULT {{"variant": "hf", "error": "E: x"}}\nRESULT {json.dumps(result)}\n'
+    # the launch's variants each find their own line
+    assert distributed.parse_output(text, "exit status 1", fusetune) == {
+        "tokens_per_s_per_gpu": 1.0
+    }
+    assert distributed.parse_output(text, "exit status 1", hf) == {"error": "E: x"}
     # a rank's own error line wins over torchrun's summary
-    own = 'RESULT {"error": "OutOfMemoryError: CUDA out of memory"}\n'
+    own = 'RESULT {"variant": "fusetune", "error": "OutOfMemoryError: CUDA out of memory"}\n'
     text = own + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: boom\n"
-    assert distributed.parse_output(text, "exit status 1") == {
+    assert distributed.parse_output(text, "exit status 1", fusetune) == {
         "error": "OutOfMemoryError: CUDA out of memory"
     }
     # a crash before the worker's try: the last XError line (rank prefix dropped)
     text = "Traceback\n[rank1]: ImportError: No module named 'deepspeed'\n"
-    assert distributed.parse_output(text, "exit status 1") == {
+    assert distributed.parse_output(text, "exit status 1", fusetune) == {
         "error": "ImportError: No module named 'deepspeed'"
     }
-    assert distributed.parse_output("hang\n", "timed out after 9 s") == {
+    assert distributed.parse_output("hang\n", "timed out after 9 s", hf) == {
         "error": "timed out after 9 s"
     }
+
+
+def test_launches_share_a_process_only_under_fsdp2_and_without_liger():
+    group = [{**JOB, "variant": v} for v in ("hf", "liger", "fusetune")]
+    units = distributed.launch_units(group)
+    assert [[j["variant"] for j in unit] for unit in units] == [["hf", "fusetune"], ["liger"]]
+    zero3 = [{**job, "engine": "zero3"} for job in group]
+    assert [len(unit) for unit in distributed.launch_units(zero3)] == [1, 1, 1]
 
 
 def test_jobs_order_and_choices():

@@ -9,8 +9,9 @@
 #                                         # and grpo under torchrun, TRL's head on FSDP2 shards
 #   bash tools/gpu_distributed.sh bench   # bench e2e --nproc 2 in priority order (fits 560 s):
 #     (a) FSDP2 full FT Llama-3.2-1B, (b) FSDP2 LoRA Llama, (c) ZeRO-3 full Llama,
-#     (d) ZeRO-3 LoRA Llama, (e) FSDP2 full / LoRA Qwen2.5-0.5B; each variant (hf, liger,
-#     fusetune) at 1 GPU (two side by side) and 2 GPUs; a step starts only with 60 s left.
+#     (d) FSDP2 full / LoRA Qwen2.5-0.5B, (e) ZeRO-3 LoRA Llama; each variant (hf, liger,
+#     fusetune) at 1 GPU (launches side by side) and 2 GPUs; a step starts only with 60 s
+#     left, each launch under --timeout 150. Tables: $OUT/bench-*/e2e-distributed.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-distributed}
 mkdir -p "$OUT"
@@ -39,7 +40,7 @@ bench_step() {  # bench_step NAME CAP_S ARGS...: one `bench e2e --nproc 2` under
 case "${1:-tests}" in
   tests)
     nvidia-smi -L | tee "$OUT/gpus.txt"
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_distributed.py \
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rxs --durations=15 tests/test_distributed.py \
       tests/test_bench_distributed.py tests/test_finetune_distributed.py \
       tests/test_grpo_distributed.py tests/test_trl_fsdp.py 2>&1 \
       | tee "$OUT/distributed-tests.log" | tail -40
@@ -48,10 +49,10 @@ case "${1:-tests}" in
     nvidia-smi -L | tee "$OUT/gpus.txt"
     llama=(--shapes llama-3.2-1b)
     bench_step fsdp2-full-llama 200 --engine fsdp2 --full "${llama[@]}"
-    bench_step fsdp2-lora-llama 170 --engine fsdp2 --lora "${llama[@]}"
-    bench_step zero3-full-llama 200 --engine zero3 --full "${llama[@]}"
-    bench_step zero3-lora-llama 200 --engine zero3 --lora "${llama[@]}"
+    bench_step fsdp2-lora-llama 200 --engine fsdp2 --lora "${llama[@]}"
+    bench_step zero3-full-llama 260 --engine zero3 --full "${llama[@]}"
     bench_step fsdp2-qwen 300 --engine fsdp2 --full --lora --shapes qwen2.5-0.5b
+    bench_step zero3-lora-llama 260 --engine zero3 --lora "${llama[@]}"
     echo "=== tables"
     cat "$OUT"/bench-*/e2e-distributed.txt 2>/dev/null
     ;;

@@ -2,10 +2,11 @@
 ZeRO-3, for HF (+ PEFT for LoRA), + Liger-Kernel and + fusetune, each also on 1 GPU for the
 scaling efficiency (tokens/s per GPU at N over that at 1, the same variant and engine).
 
-Every variant at every size is its own torchrun launch (``fusetune.bench.distributed_worker``
-says what a launch builds and measures): Liger patches transformers for the whole process, and
-a failed launch must not take the others down. Where the machine has several GPUs the 1-GPU
-launches run side by side, one GPU each. A launch that fails gives a row naming its error
+Each size is a torchrun launch per configuration (``fusetune.bench.distributed_worker`` says
+what a launch builds and measures): HF and fusetune share one under FSDP2 (the imports and the
+process group paid once, each model freed before the next), Liger (which patches transformers
+for the whole process) and ZeRO-3 runs get one each. Where the machine has several GPUs the
+1-GPU launches run side by side, one GPU each. A launch that fails gives a row naming its error
 (Liger's fused loss on a sharded head, an out-of-memory error, a timeout). Without a GPU:
 tiny configs over gloo (ZeRO-3 through DeepSpeed's CPU accelerator), Liger skipped (the
 plumbing's smoke run). ZeRO-3 rows need deepspeed installed (not a dependency).
@@ -18,6 +19,7 @@ included), the scaling efficiency. Written to ``e2e-distributed.json`` / ``.txt`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -105,51 +107,82 @@ def not_run(job: dict[str, Any], cuda: bool) -> str | None:
 
 
 class Launch:
-    """One torchrun group in its own session (so a timeout ends every rank), output to a log."""
+    """One torchrun group in its own session (so a timeout ends every rank), output to a log;
+    ``jobs``: variants of one engine, mode and shape, run one after the other."""
 
-    def __init__(self, job: dict[str, Any], nproc: int, port: int, log: Path, gpus: str | None):
+    live: set[Launch] = set()  # ended on SIGTERM (the caller's `timeout`): no orphan on a GPU
+
+    def __init__(self, jobs: list[dict[str, Any]], nproc: int, port: int, log: Path,
+                 gpus: str | None):  # fmt: skip
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                    "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-                   "-m", "fusetune.bench.distributed_worker", json.dumps(job)]  # fmt: skip
+                   "-m", "fusetune.bench.distributed_worker", json.dumps(jobs)]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        self.job, self.nproc, self.log = job, nproc, log
+        self.jobs, self.nproc, self.log = jobs, nproc, log
         self.started = time.monotonic()
         with open(log, "w") as sink:
             sink.write(f"$ {' '.join(command)}\n")
             sink.flush()
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)  # fmt: skip
+        Launch.live.add(self)
 
-    def wait(self, timeout_s: float) -> dict[str, Any]:
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        Launch.live.discard(self)
+
+    def wait(self, timeout_s: float) -> list[dict[str, Any]]:
         left = max(1.0, timeout_s - (time.monotonic() - self.started))
         try:
             code = self.process.wait(timeout=left)
             failure = f"exit status {code}" if code else None
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
             failure = f"timed out after {timeout_s:.0f} s"
-        row = {**self.job, "nproc": self.nproc, "log": self.log.name}
-        return {**row, **parse_output(self.log.read_text(errors="replace"), failure)}
+        self.kill()  # a timed-out group, or ranks a failed one left behind
+        text = self.log.read_text(errors="replace")
+        return [
+            {**job, "nproc": self.nproc, "log": self.log.name, **parse_output(text, failure, job)}
+            for job in self.jobs
+        ]
 
 
-def parse_output(text: str, failure: str | None) -> dict[str, Any]:
-    """The launch's result: rank 0's RESULT line, or an error naming the first failure seen
-    (a rank's own RESULT error line, else the last ``XError: message`` line, else ``failure``)."""
-    results = [json.loads(line[len(TAG) :]) for line in text.splitlines() if line.startswith(TAG)]
-    errors = [r for r in results if "error" in r]
+def _end_live_launches(signum, frame) -> None:
+    for launch in list(Launch.live):
+        launch.kill()
+    raise SystemExit(128 + signum)
+
+
+def parse_output(text: str, failure: str | None, job: dict[str, Any]) -> dict[str, Any]:
+    """``job``'s result in a launch's output: its RESULT line (rank 0's measurement, or the
+    error of the first rank that failed), else an error naming what went wrong (the last
+    ``XError: message`` line, else ``failure``)."""
+    lines = [json.loads(line[len(TAG) :]) for line in text.splitlines() if line.startswith(TAG)]
+    mine = [r for r in lines if r.get("variant", job["variant"]) == job["variant"]]
+    errors = [r for r in mine if "error" in r]
     if errors:
         return {"error": errors[0]["error"]}
-    if results and not failure:
-        return results[-1]
+    if mine:
+        return {k: v for k, v in mine[-1].items() if k != "variant"}
     named = [m for m in map(ERROR_LINE.match, text.splitlines()) if m]
     named = [m for m in named if not m.group(1).endswith("ChildFailedError")]
     if named:
         why = f"{named[-1].group(1)}: {named[-1].group(2).strip()}"[:300]
         return {"error": f"{why} ({failure})" if failure and "timed out" in failure else why}
     return {"error": failure or "no RESULT line"}
+
+
+def launch_units(group: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The launches of one configuration: under FSDP2 the variants other than Liger share one
+    (a process group and the imports paid once; fusetune runs after HF, its patches are
+    per model), Liger (which patches transformers for the whole process) and every ZeRO-3
+    run (DeepSpeed does not hand back an engine's memory) get one each."""
+    shared = [j for j in group if j["engine"] == "fsdp2" and j["variant"] != "liger"]
+    alone = [[j] for j in group if j not in shared]
+    return ([shared] if shared else []) + alone
 
 
 def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
@@ -160,6 +193,7 @@ def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
     out = Path(args.out)
     ports = itertools.count(FIRST_PORT)
     rows: list[dict[str, Any]] = []
+    signal.signal(signal.SIGTERM, _end_live_launches)
 
     def finish(row: dict[str, Any]) -> None:
         rows.append(row)
@@ -177,16 +211,18 @@ def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
         sizes = ([] if args.no_single or args.nproc == 1 else [1]) + [args.nproc]
         for nproc in sizes:
             side_by_side = max(1, gpus // nproc) if cuda else 1
-            for wave in _chunks(runnable, side_by_side):
+            for wave in _chunks(launch_units(runnable), side_by_side):
                 launches = []
-                for slot, job in enumerate(wave):
+                for slot, unit in enumerate(wave):
                     devices = _devices(slot, nproc) if cuda and len(wave) > 1 else None
-                    log = out / f"launch-{_name(job)}-n{nproc}.log"
-                    print(f"[e2e --nproc] {describe({**job, 'nproc': nproc})} ...",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    launches.append(Launch(job, nproc, next(ports), log, devices))
+                    names = "+".join(job["variant"] for job in unit)
+                    log = out / f"launch-{_name(unit[0])}-{names}-n{nproc}.log"
+                    print(f"[e2e --nproc] {describe({**unit[0], 'variant': names, 'nproc': nproc})}"
+                          " ...", file=sys.stderr, flush=True)  # fmt: skip
+                    launches.append(Launch(unit, nproc, next(ports), log, devices))
                 for launch in launches:
-                    finish(launch.wait(args.timeout))
+                    for row in launch.wait(args.timeout):
+                        finish(row)
     return rows
 
 
@@ -205,7 +241,7 @@ def _devices(slot: int, nproc: int) -> str:
 
 
 def _name(job: dict[str, Any]) -> str:
-    return f"{job['engine']}-{job['mode']}-{job['shape']}-{job['variant']}"
+    return f"{job['engine']}-{job['mode']}-{job['shape']}"
 
 
 # ----------------------------------------------------------------------------- table

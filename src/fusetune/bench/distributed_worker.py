@@ -13,12 +13,14 @@ torch's fused AdamW; ZeRO-3 with ``bf16`` on (bf16 parameters, fp32 masters) and
 ``"torch_adam": true`` (no DeepSpeed CUDA op to build). On a machine without a GPU: gloo, tiny
 configs (the plumbing's smoke run).
 
-Usage: torchrun --nproc_per_node N -m fusetune.bench.distributed_worker '{"engine": ...}'
-(``python -m fusetune bench e2e --nproc N`` writes the job).
+Usage: torchrun --nproc_per_node N -m fusetune.bench.distributed_worker '[{"engine": ...}]'
+(``python -m fusetune bench e2e --nproc N`` writes the jobs: several variants of one FSDP2
+configuration share a launch, Liger and ZeRO-3 runs get one each).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -122,12 +124,21 @@ def zero3_step(model: torch.nn.Module, batch: int):
 
 def count_fused_calls() -> list[int]:
     """fusetune's fused linear cross-entropy calls from causal-LM forwards (one per step when
-    the fused path serves every step)."""
+    the fused path serves every step); the list is cleared for each variant."""
     from fusetune.integrations import _transformers_forwards as forwards
 
-    calls: list[int] = []
     fused = forwards.linear_cross_entropy
-    forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    calls = getattr(fused, "calls", None)
+    if calls is None:  # counted once per process
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return fused(*args, **kwargs)
+
+        counted.calls = calls
+        forwards.linear_cross_entropy = counted
+    calls.clear()
     return calls
 
 
@@ -155,7 +166,11 @@ def time_steps(step, ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[f
 
 
 def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One variant's steps; peak memory above what was allocated before its model (zero when
+    the previous variant of the launch was freed)."""
+    base = 0
     if device.type == "cuda":
+        base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     model = build(job, device)
     vocab = model.config.vocab_size
@@ -170,29 +185,39 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     median = statistics.median(times)
     peak = None
     if device.type == "cuda":
-        most = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+        most = torch.tensor(float(torch.cuda.max_memory_allocated(device) - base), device=device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest rank's peak
         peak = most.item() / 2**30
-    return dict(world=dist.get_world_size(), step_ms=median, step_ms_min=min(times),
-                step_ms_max=max(times), tokens_per_s_per_gpu=job["batch"] * job["seq_len"]
-                / (median * 1e-3), peak_gib_per_gpu=peak, fused_calls=len(calls),
-                steps=job["warmup"] + job["steps"], fallback_warnings=fallbacks)  # fmt: skip
+    tokens = job["batch"] * job["seq_len"]
+    return dict(variant=job["variant"], world=dist.get_world_size(), step_ms=median,
+                step_ms_min=min(times), step_ms_max=max(times),
+                tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,
+                fused_calls=len(calls), steps=job["warmup"] + job["steps"],
+                fallback_warnings=fallbacks)  # fmt: skip
 
 
 def main(spec: str) -> int:
-    job = json.loads(spec)
+    """``spec``: a JSON list of jobs (variants of one engine, mode and shape) run one after
+    the other in this process group, each model freed before the next is built."""
     warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
     device = setup()
-    try:
-        result = measure(job, device)
-    except Exception as exc:  # noqa: BLE001 - the parent's error row names it
-        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        print(TAG + json.dumps({"error": f"{type(exc).__name__}: {message}"}), flush=True)
-        raise
-    if dist.get_rank() == 0:
-        print(TAG + json.dumps(result), flush=True)
+    failed = False
+    for job in json.loads(spec):
+        try:
+            result = measure(job, device)
+        except Exception as exc:  # noqa: BLE001 - the parent's error row names it
+            text = str(exc).strip()
+            message = f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+            result, failed = {"variant": job["variant"], "error": message}, True
+            print(TAG + json.dumps(result), flush=True)  # every rank: the first to fail
+        else:
+            if dist.get_rank() == 0:
+                print(TAG + json.dumps(result), flush=True)
+        gc.collect()  # the model, its engine and optimizer state, before the next variant
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     dist.destroy_process_group()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
