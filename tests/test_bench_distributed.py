@@ -57,6 +57,9 @@ def test_parse_output_names_the_error():
         "tokens_per_s_per_gpu": 1.0
     }
     assert distributed.parse_output(text, "exit status 1", hf) == {"error": "E: x"}
+    # two ranks' error lines run into one; a cut-off line is skipped
+    text = 'RESULT {"variant": "hf", "error": "E: x"}RESULT {"variant": "hf", "error": "E: x"}\n'
+    assert distributed.parse_output(text + 'RESULT {"varia\n', None, hf) == {"error": "E: x"}
     # a rank's own error line wins over torchrun's summary
     own = 'RESULT {"variant": "fusetune", "error": "OutOfMemoryError: CUDA out of memory"}\n'
     text = own + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: boom\n"

@@ -160,8 +160,7 @@ def parse_output(text: str, failure: str | None, job: dict[str, Any]) -> dict[st
     """``job``'s result in a launch's output: its RESULT line (rank 0's measurement, or the
     error of the first rank that failed), else an error naming what went wrong (the last
     ``XError: message`` line, else ``failure``)."""
-    lines = [json.loads(line[len(TAG) :]) for line in text.splitlines() if line.startswith(TAG)]
-    mine = [r for r in lines if r.get("variant", job["variant"]) == job["variant"]]
+    mine = [r for r in tagged(text) if r.get("variant", job["variant"]) == job["variant"]]
     errors = [r for r in mine if "error" in r]
     if errors:
         return {"error": errors[0]["error"]}
@@ -173,6 +172,15 @@ def parse_output(text: str, failure: str | None, job: dict[str, Any]) -> dict[st
         why = f"{named[-1].group(1)}: {named[-1].group(2).strip()}"[:300]
         return {"error": f"{why} ({failure})" if failure and "timed out" in failure else why}
     return {"error": failure or "no RESULT line"}
+
+
+def tagged(text: str) -> list[dict[str, Any]]:
+    """Every ``RESULT {json}`` in ``text``, also where two ranks' lines ran into one."""
+    decoder, found = json.JSONDecoder(), []
+    for match in re.finditer(re.escape(TAG) + r"(?=\{)", text):
+        with contextlib.suppress(json.JSONDecodeError):
+            found.append(decoder.raw_decode(text, match.end())[0])
+    return found
 
 
 def launch_units(group: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -331,11 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     def save(rows: list[dict[str, Any]]) -> None:
         data = {"argv": argv if argv is not None else sys.argv[1:], "rows": with_scaling(rows)}
         (out / "e2e-distributed.json").write_text(json.dumps(data, indent=2) + "\n")
+        # the table so far too: a run its caller's timeout cuts keeps what it measured
+        (out / "e2e-distributed.txt").write_text(format_table(rows) + "\n")
 
     rows = run_all(args, save)
-    text = format_table(rows)
-    print(text, flush=True)
-    (out / "e2e-distributed.txt").write_text(text + "\n")
+    print(format_table(rows), flush=True)
     bad = [r for r in rows if r["variant"] == "fusetune" and not_fused(r)]
     return 1 if bad else 0
 
