@@ -130,7 +130,17 @@ class Launch:
         Launch.live.add(self)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
+        """End the group: torchrun forwards SIGTERM to its ranks (each in a process group of
+        its own); whatever is left after a few seconds, the ranks included, gets SIGKILL."""
+        ranks = _children(self.process.pid)
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         Launch.live.discard(self)
@@ -150,6 +160,17 @@ class Launch:
         ]
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc; none elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def _end_live_launches(signum, frame) -> None:
     for launch in list(Launch.live):
         launch.kill()
@@ -167,7 +188,8 @@ def parse_output(text: str, failure: str | None, job: dict[str, Any]) -> dict[st
     if mine:
         return {k: v for k, v in mine[-1].items() if k != "variant"}
     named = [m for m in map(ERROR_LINE.match, text.splitlines()) if m]
-    named = [m for m in named if not m.group(1).endswith("ChildFailedError")]
+    torchrun_own = ("ChildFailedError", "SignalException")  # its summary, our SIGTERM
+    named = [m for m in named if not m.group(1).endswith(torchrun_own)]
     if named:
         why = f"{named[-1].group(1)}: {named[-1].group(2).strip()}"[:300]
         return {"error": f"{why} ({failure})" if failure and "timed out" in failure else why}
