@@ -53,6 +53,10 @@ _ROUTE = "_fusetune_peft_route"
 _NO_VARIANTS: dict = {}  # PEFT versions without lora_variant
 # Reasons that are modes PEFT handles on its own path, not a limitation: no warning.
 _QUIET_REASONS = ("adapters disabled", "adapter merged into the base weight")
+_PARTITIONED = (
+    "its layers' weights are partitioned by DeepSpeed ZeRO-3, which gathers each only inside "
+    "its own layer's call: the layers run fusetune's lora_linear one by one"
+)
 
 
 @dataclass
@@ -305,6 +309,8 @@ def _group_route(layers, extra_arguments) -> tuple[str | None, tuple[Projection,
     """(why the group stays on PEFT's path or None, the layers' projections)."""
     if extra_arguments:
         return "extra forward arguments", ()
+    if _zero3_partitioned(layers):
+        return _PARTITIONED, ()
     projections = []
     for layer in layers:
         reason, projection = _route(layer)
@@ -312,6 +318,15 @@ def _group_route(layers, extra_arguments) -> tuple[str | None, tuple[Projection,
             return reason, ()
         projections.append(projection)
     return None, tuple(projections)
+
+
+def _zero3_partitioned(layers) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the layers' weights: it gathers a layer's weights
+    only inside that layer's own call, so one call cannot read its neighbours'."""
+    for layer in layers:
+        if hasattr(layer.get_base_layer()._parameters.get("weight"), "ds_id"):
+            return True
+    return False
 
 
 def _mlp_forward(mlp, name, activation, x, *args, **kwargs):
@@ -337,6 +352,7 @@ class _QKVGroup:
         self.layers = layers
         self.pending: list | None = None
         self.checked: tuple[Projection, ...] | None = None  # last checked together
+        self.warned = False
 
     def forward(self, index: int, name: str, x, *args, **kwargs):
         layer = self.layers[index]
@@ -351,6 +367,9 @@ class _QKVGroup:
         self.pending = None
         reason, projections = _group_route(self.layers, args or kwargs)
         if reason is not None:
+            if reason == _PARTITIONED and not self.warned:
+                self.warned = True
+                _warn(name.rsplit(".", 1)[0] + ".q_proj/k_proj/v_proj", reason)
             return _linear_forward(layer, name, x, *args, **kwargs)
         if torch.compiler.is_compiling():
             check_qkv_projections(list(projections))
@@ -399,7 +418,7 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
             handled.update(_children(name, module))
             continue
         if _is_mlp(module):
-            _patch_mlp(name, module, handled)
+            _patch_mlp(name, module)
         elif _is_qkv(module):
             _patch_qkv(name, module, handled)
     for name, module in named.items():
@@ -430,7 +449,7 @@ def _is_qkv(module: torch.nn.Module) -> bool:
     return all(p is not None and is_lora_layer(p) for p in projections)
 
 
-def _patch_mlp(name: str, mlp: torch.nn.Module, handled: set[str]) -> None:
+def _patch_mlp(name: str, mlp: torch.nn.Module) -> None:
     activation = mlp_activation(mlp.act_fn)
     if activation is None:
         _skip(mlp, name, f"act_fn {type(mlp.act_fn).__name__} is not silu, gelu or tanh-gelu")
@@ -442,8 +461,9 @@ def _patch_mlp(name: str, mlp: torch.nn.Module, handled: set[str]) -> None:
     if len({logical_dtype(layer.get_base_layer().weight) for layer in layers}) > 1:
         _skip(mlp, name, "gate, up and down base weights of different dtypes")
         return
+    # the children are patched one by one as well: where the group cannot run (ZeRO-3,
+    # extra arguments) the MLP's own forward calls them
     _install(mlp, functools.partial(_mlp_forward, mlp, name, activation))
-    handled.update(_children(name, mlp))
 
 
 def _patch_qkv(name: str, attention: torch.nn.Module, handled: set[str]) -> None:
