@@ -38,13 +38,13 @@ def test_table_has_error_rows_calls_and_scaling():
     rows = [row("fusetune", 1, 50_000.0), row("fusetune", 2, 45_000.0),
             row("liger", 2, error=liger_error),
             row("fusetune", 2, 45_000.0, shape="qwen2.5-0.5b", fused_calls=0,
-                fallback_warnings=["fusetune: lm_head is X"])]  # fmt: skip
+                fallback_warnings=["fusetune: lm_head is X", "fusetune: Y"])]  # fmt: skip
     lines = distributed.format_table(rows).splitlines()
     assert lines[0].split()[:4] == ["engine", "mode", "shape", "variant"]
     assert "90%" in lines[3] and "11/11" in lines[3] and "95/100/130" in lines[3]
     assert "45,000" in lines[3] and "20.50" in lines[3]
     assert "ERROR " + liger_error in lines[4] and "liger" in lines[4]
-    assert "0/11" in lines[5] and "WARNED fusetune: lm_head is X" in lines[5]
+    assert "0/11" in lines[5] and "WARNED fusetune: lm_head is X (and 1 more)" in lines[5]
     assert distributed.not_fused(rows[3]) and not distributed.not_fused(rows[1])
 
 

@@ -315,8 +315,10 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
     calls = f"{row['fused_calls']}/{row['steps']}" if counted else "-"
     peak = row.get("peak_gib_per_gpu")
     note = ("ERROR " + row["error"]) if row.get("error") else row.get("note", "")
-    if row.get("fallback_warnings"):
-        note = (note + " " if note else "") + "WARNED " + "; ".join(row["fallback_warnings"])
+    warned = row.get("fallback_warnings")
+    if warned:  # one per module: the count and the first says it
+        more = f" (and {len(warned) - 1} more)" if len(warned) > 1 else ""
+        note = (note + " " if note else "") + f"WARNED {warned[0][:200]}{more}"
     return (
         row["engine"],
         row["mode"],
