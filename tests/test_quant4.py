@@ -194,6 +194,16 @@ def test_partial_last_block_follows_the_blockwise_formula():
     assert torch.equal(fusetune.dequantize_4bit(weight), want)
 
 
+@pytest.mark.parametrize("shape", [(3, 21), (5, 64), (1, 2049)])
+def test_dequantize_kernel_on_odd_and_partial_sizes(shape):
+    """The kernel reads a byte (two elements) per lane: an odd element count ends on half a
+    byte, and the last program on a partial block of lanes; every element equals the formula."""
+    weight = quantize(torch.randn(shape, device=DEVICE) / 8, blocksize=64)
+    for dtype in (BF16, FP32):
+        got = quant4_ops.dequantize_4bit(weight, dtype)
+        assert got.shape == shape and torch.equal(got, reference.dequantize_4bit(weight, dtype))
+
+
 def test_peft_qlora_layers_route_through_fusetune(monkeypatch):
     """PEFT's LoRA on bitsandbytes Linear4bit bases (an attention block and an MLP): patched
     outputs and gradients match PEFT's own 4-bit path, and the fused ops ran."""

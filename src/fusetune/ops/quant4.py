@@ -32,20 +32,25 @@ def _dequantize_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, 
                             offset_ptr, out_ptr, n_elements, BLOCKSIZE: tl.constexpr,
                             OUTER_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
                             BLOCK: tl.constexpr):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = index < n_elements
-    byte = tl.load(packed_ptr + index // 2, mask=mask, other=0).to(tl.int32)
-    nibble = tl.where(index % 2 == 0, byte >> 4, byte & 15)
-    value = tl.load(code_ptr + nibble, mask=mask, other=0.0).to(tl.float32)
-    block = index // BLOCKSIZE
+    # one byte holds two neighbouring elements (high nibble first) of the same quantisation
+    # block (blocksizes are even): its scale is read once, and the contiguous byte load and the
+    # interleaved store of both values vectorise
+    byte_index = tl.program_id(0).to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    byte_mask = byte_index < (n_elements + 1) // 2
+    byte = tl.load(packed_ptr + byte_index, mask=byte_mask, other=0).to(tl.int32)
+    high = tl.load(code_ptr + (byte >> 4), mask=byte_mask, other=0.0).to(tl.float32)
+    low = tl.load(code_ptr + (byte & 15), mask=byte_mask, other=0.0).to(tl.float32)
+    block = byte_index // (BLOCKSIZE // 2)
     if NESTED:
-        quantised = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        outer = tl.load(outer_absmax_ptr + block // OUTER_BLOCKSIZE, mask=mask, other=0.0)
-        scale = tl.load(outer_code_ptr + quantised, mask=mask, other=0.0).to(tl.float32)
+        quantised = tl.load(absmax_ptr + block, mask=byte_mask, other=0).to(tl.int32)
+        outer = tl.load(outer_absmax_ptr + block // OUTER_BLOCKSIZE, mask=byte_mask, other=0.0)
+        scale = tl.load(outer_code_ptr + quantised, mask=byte_mask, other=0.0).to(tl.float32)
         scale = scale * outer.to(tl.float32) + tl.load(offset_ptr).to(tl.float32)
     else:
-        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + index, (value * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        scale = tl.load(absmax_ptr + block, mask=byte_mask, other=0.0).to(tl.float32)
+    value = tl.interleave(high * scale, low * scale)
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=index < n_elements)
 
 
 def _state_tensors(weight: torch.Tensor):

@@ -56,6 +56,8 @@ def check_4bit(name: str, weight: torch.Tensor) -> None:
         problems.append(f"{weight.numel() * weight.element_size()} packed bytes for {numel} values")
     if state.code.numel() != 16:
         problems.append(f"a code table of {state.code.numel()} values, not 16")
+    if state.blocksize % 2:  # a byte's two elements share their block's scale
+        problems.append(f"an odd blocksize {state.blocksize}")
     if state.absmax.numel() * state.blocksize < numel:
         problems.append(f"{state.absmax.numel()} scales of blocks of {state.blocksize}")
     if not state.dtype.is_floating_point:
