@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import fusetune
 import harness
+from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention import gdr_chunk, gdr_recurrent
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_op
 from harness import DEVICE, ON_GPU, assert_close, assert_raises, check_op, matrix, uses_kernels
@@ -256,6 +257,166 @@ def test_fp32_gates_beside_bf16_inputs():
     run_check(
         inputs, torch.bfloat16, "chunk", input_dtypes={"g": torch.float32, "h0": torch.float32}
     )
+
+
+# ----------------------------------------------------------------------------- split3 products
+# FUSETUNE_GDR_DOT=split3: tensor-core products (16-bit inputs as they are, fp32 operands split
+# into two tf32 halves, gdr_chunk.mm) instead of IEEE fp32 FMA. Triton's own "tf32x3" lowering
+# faulted (illegal memory access) on the small shapes below under Triton 3.6: they run here on
+# the CPU and again, compiled, in the GPU pass.
+
+
+@triton.jit
+def _split_kernel(x, hi, lo, N: tl.constexpr):
+    cols = tl.arange(0, N)
+    high, low = gdr_chunk.tf32_split(tl.load(x + cols))
+    tl.store(hi + cols, high)
+    tl.store(lo + cols, low)
+
+
+@triton.jit
+def _mm_kernel(a, b, c, DOT: tl.constexpr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tile = r[:, None] * N + r[None, :]
+    tl.store(c + tile, gdr_chunk.mm(tl.load(a + tile), tl.load(b + tile), DOT))
+
+
+def test_tf32_split():
+    """hi is a tf32 value (13 low bits clear) and hi + (x - hi) == x bitwise (the split loses
+    nothing); lo is tf32 as well and hi + lo is x within 2^-23 relative. Values of every scale,
+    both signs, mantissas of all ones (rounding carries into the exponent), zero, subnormals."""
+    torch.manual_seed(0)
+    x = torch.randn(256) * torch.exp2(torch.randint(-60, 60, (256,)).float())
+    x[:4] = torch.tensor([0.0, 1.9999999, -1.9999999, 1e-40])
+    x = x.to(DEVICE)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    _split_kernel[(1,)](x, hi, lo, N=256)
+    low_bits = 0x1FFF
+    assert (hi.view(torch.int32) & low_bits).eq(0).all()
+    assert (lo.view(torch.int32) & low_bits).eq(0).all()
+    assert torch.equal(hi + (x - hi), x)
+    assert hi[1].item() == 2.0 and hi[2].item() == -2.0  # the carry
+    x64 = x.double()
+    normal = x64.abs() >= 2.0**-126  # subnormals: absolute, half a tf32 unit (2^-136)
+    size = x64.abs()[normal]
+    assert ((x64 - hi.double()).abs()[normal] <= 2.0**-11 * size).all()
+    rest = (x64 - hi.double() - lo.double()).abs()
+    assert (rest[normal] <= 2.0**-23 * size).all()
+    assert (rest[~normal] <= 2.0**-137).all()
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float16, torch.bfloat16),
+    ],
+    ids=["fp32-fp32", "fp32-bf16", "bf16-fp32", "bf16-bf16", "fp16-fp16", "fp16-bf16"],
+)
+def test_split3_products(dtypes):
+    """gdr_chunk.mm in split3 mode against float64 for every operand pairing the kernels use:
+    within 2^-20 of |a| |b| (fp32 rounding and accumulation; one tf32 product would be 2^-11)."""
+    torch.manual_seed(1)
+    n = 32
+    a, b = (
+        (torch.randn(n, n) * torch.exp2(torch.randint(-8, 8, (n, n)).float())).to(dt)
+        for dt in dtypes
+    )
+    c = torch.empty(n, n, device=DEVICE)
+    _mm_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, DOT=3, N=n)
+    want = a.double() @ b.double()
+    bound = 2.0**-20 * (a.double().abs() @ b.double().abs())
+    assert ((c.cpu().double() - want).abs() <= bound).all()
+
+
+def test_dot_mode_names(monkeypatch):
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+    assert gdr_chunk.dot_mode() == 3
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "tf32x3")
+    with pytest.raises(ValueError, match="FUSETUNE_GDR_DOT must be ieee or split3, got 'tf32x3'"):
+        gdr_chunk.dot_mode()
+
+
+SPLIT3_CASES = {
+    # name: (make_inputs arguments, dtype, options)
+    "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),
+    "matrix-fp16": (dict(batch=1, seq_len=19), torch.float16, {}),
+    "matrix-bf16": (dict(batch=1, seq_len=19), torch.bfloat16, dict(layout="noncontiguous")),
+    "l2norm-groups-bf16": (
+        dict(batch=1, seq_len=20, key_heads=2, value_heads=4, unit_keys=False),
+        torch.bfloat16,
+        dict(fixed=dict(use_qk_l2norm_in_kernel=True, scale=0.4)),
+    ),
+    "value-blocks-fp32": (dict(batch=1, seq_len=20, key_dim=32, value_dim=40), torch.float32, {}),
+    "single-token-bf16": (dict(batch=3, seq_len=1), torch.bfloat16, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT3_CASES))
+def test_split3_small_shapes(monkeypatch, case):
+    """Chunk mode in split3 mode on the test matrix's small shapes (padded K = 12, V = 20;
+    grouped heads; several value blocks; T = 1), every output and gradient."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+    if case == "value-blocks-fp32":
+        monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
+    shape, dtype, options = SPLIT3_CASES[case]
+    run_check(make_inputs(**shape), dtype, "chunk", **options)
+
+
+def test_split3_varlen(monkeypatch):
+    """Packed sequences (one empty, one of a single token) in split3 mode, bf16."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+    offsets = [0, 5, 5, 17, 18, 30]
+    inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    check_op(
+        with_state(fusetune.gated_delta_rule, cu_seqlens=cu),
+        per_sequence(with_state(reference_op), offsets, ("h0",)),
+        inputs,
+        dtype=torch.bfloat16,
+        cast=list(inputs),
+        grad=list(inputs),
+        output_dtypes=[torch.bfloat16, torch.float32],
+    )
+
+
+def test_split3_chunks_of_64_extreme_gates(monkeypatch):
+    """split3 with 64-token chunks (the blocked inverse's N^2, N^3 terms through split
+    products) and gates of -5000, -1e4 and -inf: exact in fp32, dg included."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+    monkeypatch.setattr(gdr_chunk, "INTERPRET_CHUNK", 64)
+    inputs = make_inputs(batch=1, seq_len=70, unit_keys=False)
+    inputs["g"][:, 2] = -5000.0
+    inputs["g"][:, 40, 0] = -1e4
+    inputs["g"][:, 50, 1] = -float("inf")
+    result = run_check(inputs, torch.float32, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
+    assert all(torch.isfinite(x).all() for x in result.grads.values())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1024, K = V = 128")
+@pytest.mark.parametrize(
+    "dtype,l2norm",
+    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
+    ids=["bf16-l2norm", "bf16", "fp32"],
+)
+def test_split3_long_gpu(monkeypatch, dtype, l2norm):
+    """split3 at B2 T1024, four value heads on two key heads, K = V = 128: with l2norm (the
+    models' call: fp32 q, k beside bf16 v, dO), without (every input product in bf16), fp32."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+    inputs = make_inputs(
+        batch=2,
+        seq_len=1024,
+        key_heads=2,
+        value_heads=4,
+        key_dim=128,
+        value_dim=128,
+        unit_keys=not l2norm,
+    )
+    run_check(inputs, dtype, "chunk", fixed=dict(use_qk_l2norm_in_kernel=l2norm))
 
 
 # GPU-only cases are few: each dtype x head size x option compiles every chunk kernel anew (the

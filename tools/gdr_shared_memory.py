@@ -2,8 +2,13 @@
 needed: Triton's wheel ships ptxas). Prints metadata.shared per kernel with the launcher's
 settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
 
-    python tools/gdr_shared_memory.py 128        # K = V = 128 (chunk 64)
-    python tools/gdr_shared_memory.py 256        # K = V = 256 (chunk 32)
+    python tools/gdr_shared_memory.py 128                 # K = V = 128 (chunk 64), IEEE, fp32
+    python tools/gdr_shared_memory.py 256 split3 bf16     # K = V = 256 (chunk 32), split3, bf16
+
+The second argument is the products' mode (ieee | split3: FUSETUNE_GDR_DOT), the third the
+dtype of the inputs q, k, v, beta and dO (fp32 | bf16 | fp16; the 16-bit ones take 16-bit
+tensor-core products in split3 mode), or l2norm: bf16 with q, k in fp32, as the models call it
+(use_qk_l2norm_in_kernel normalises q, k in fp32 before the kernels).
 
 Takes minutes on a CPU (the IEEE-product kernels compile slowly). H100 limit: 232448 bytes.
 """
@@ -22,10 +27,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from fusetune.ops.linear_attention import gdr_chunk  # noqa: E402
 
 FLOATS = ("scale",)
+INPUTS = ("q", "k", "v", "beta", "do", "o", "dv")  # pointers in the input dtype
+DOTS = {"ieee": 2, "split3": 3}
 INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
 
 
-def shared_bytes(kernel, consts: dict, num_warps: int) -> int:
+def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str) -> int:
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
         if name in consts:
@@ -34,6 +41,9 @@ def shared_bytes(kernel, consts: dict, num_warps: int) -> int:
             signature[name] = "fp32"
         elif name in INTS or name.startswith("s"):
             signature[name] = "i32"
+        elif name in INPUTS:
+            normalised = dtype == "l2norm" and name in ("q", "k")
+            signature[name] = "*" + ("fp32" if normalised else dtype.replace("l2norm", "bf16"))
         else:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=1)
@@ -43,11 +53,11 @@ def shared_bytes(kernel, consts: dict, num_warps: int) -> int:
     return compiled.metadata.shared
 
 
-def main(dim: int) -> None:
+def main(dim: int, mode: str, dtype: str) -> None:
     bt = gdr_chunk.chunk_size(False, dim)
     state_bv = 32 if dim <= 128 else 16  # gdr_recurrent.block_v
-    bwd_bv = gdr_chunk.BWD_BLOCK_V if dim <= 128 else 32
-    base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=2)
+    bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
+    base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode])
     jobs = [
         ("wy_kernel", gdr_chunk.wy_kernel, base, 8),
         (
@@ -58,13 +68,16 @@ def main(dim: int) -> None:
         ),
         ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), 8),
         ("dstates_kernel", gdr_chunk.dstates_kernel, dict(base, BV=state_bv, HAS_DHT=True), 4),
-        ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=min(dim, bwd_bv)), 8),
+        ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), 8),
     ]
     for name, kernel, consts, warps in jobs:
         print(
-            f"K=V={dim} chunk {bt} {name}: {shared_bytes(kernel, consts, warps)} bytes", flush=True
+            f"K=V={dim} chunk {bt} {mode} {dtype} {name}: "
+            f"{shared_bytes(kernel, consts, warps, dtype)} bytes",
+            flush=True,
         )
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 128)
+    args = sys.argv[1:] + ["128", "ieee", "fp32"][len(sys.argv) - 1 :]
+    main(int(args[0]), args[1], args[2])

@@ -96,9 +96,10 @@ class _ChunkRun:
         self.h_buf = _utils.empty(self.state_shape, f32, device)  # chunk start states
         self.bva = max(16, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(16, plan.BV)
-        # IEEE fp32 products throughout, whatever the input dtype: tf32 (fp16's 10-bit mantissa)
-        # on the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on
-        # dg in fp16 (issue 20, item 4). The chunk kernels' FLOPs are small enough to afford it.
+        # fp32-exact products whatever the input dtype: tf32 alone (fp16's 10-bit mantissa) on
+        # the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on dg
+        # in fp16 (issue 20, item 4). IEEE FMA by default; FUSETUNE_GDR_DOT=split3 runs them on
+        # tensor cores at about fp32's accuracy (gdr_chunk.mm).
         self.common = dict(GROUP=plan.group, K=plan.key_dim, BT=self.bt, BK=plan.BK,
                            VARLEN=plan.varlen, DOT=gdr_chunk.dot_mode(), num_warps=4,
                            num_stages=1)  # shared memory: see gdr_chunk's SHARED MEMORY
@@ -169,8 +170,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
         plan.seq_len, plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
         **run.common,
     )
-    block_cap = gdr_chunk.BWD_BLOCK_V if plan.key_dim <= 128 else min(gdr_chunk.BWD_BLOCK_V, 32)
-    block = min(max(16, _utils.next_power_of_2(plan.value_dim)), block_cap)
+    block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
         q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf,
         dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),

@@ -11,16 +11,21 @@ Forward, three launches: ``wy_kernel`` (per chunk: A, then T, kept), ``states_ke
 sequence, value head and block of value columns, sequential over chunks: W and U from T, every
 chunk's S0 and D, the final state), ``output_kernel`` (per chunk and block of value columns: O).
 Backward: below.
-Products run in fp32 (``DOT``: the launcher asks for IEEE always); exp arguments are <= 0.
+Products are fp32-exact (``mm``, ``DOT``): IEEE FMA (2, the default) or tensor cores (3,
+``FUSETUNE_GDR_DOT=split3``: input tiles enter in their own dtype, fp32 operands as two tf32
+halves). Where an input meets a per-token factor, the factor moves onto the other operand
+(W = (T diag(beta e^G)) K, U = (T diag(beta)) V, (e^G Q) S0 = diag(e^G) (Q S0)) so that the
+input stays a 16-bit tile. exp arguments are <= 0.
 """
 
 from __future__ import annotations
 
 import os
 
-from fusetune._triton import tl, triton
+from fusetune._triton import INTERPRET, tl, triton
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
+UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
 BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
 # SHARED MEMORY (H100: 232448 bytes a block). Triton stages every tl.dot operand through shared
@@ -50,24 +55,109 @@ def chunk_size(interpreting: bool, key_dim: int = 128) -> int:
     return size
 
 
+def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
+    """Value columns a step of bwd_chunk_kernel's loop: 64 (BWD_BLOCK_V) up to K = 128 with IEEE
+    products, 32 above and in split3 mode (its split operands and 16-bit tiles took 229376 of
+    the 232448 bytes at K = V = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
+    cap = BWD_BLOCK_V if key_dim <= 128 and dot == 2 else min(BWD_BLOCK_V, 32)
+    return min(max(16, triton.next_power_of_2(value_dim)), cap)
+
+
 def dot_mode() -> int:
-    """The products' precision: IEEE fp32 (2), or ``FUSETUNE_GDR_DOT=tf32x3`` (3: three tf32
-    tensor-core products, about fp32's accuracy) for measuring; tf32 alone (1) is not offered."""
+    """The products' precision: IEEE fp32 (2, the default), or ``FUSETUNE_GDR_DOT=split3`` (3):
+    tensor-core products through ``mm``'s split (16-bit inputs as they are, fp32 operands as
+    two tf32 halves; see ``mm``). Triton's own input_precision="tf32x3" is not used: under
+    Triton 3.6 it hit illegal memory accesses on small shapes."""
     mode = os.environ.get("FUSETUNE_GDR_DOT", "ieee")
-    if mode not in ("ieee", "tf32x3"):
-        raise ValueError(f"FUSETUNE_GDR_DOT must be ieee or tf32x3, got {mode!r}")
+    if mode not in ("ieee", "split3"):
+        raise ValueError(f"FUSETUNE_GDR_DOT must be ieee or split3, got {mode!r}")
     return 2 if mode == "ieee" else 3
 
 
 @triton.jit
+def tf32_round(x):
+    """fp32 x rounded to the nearest tf32 (10 mantissa bits, ties away from zero): add half a
+    tf32 unit to the bit pattern, clear the 13 low bits (a carry moves into the exponent, as
+    rounding up to the next binade should)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tf32_split(x):
+    """x = hi + lo with hi a tf32 value and lo = x - hi exact (|lo| <= 2^-11 |x|, Sterbenz); lo
+    rounded to tf32 too (relative error 2^-12 of lo, 2^-23 of x), so that the tensor cores see
+    exactly these values on the GPU and the interpreter computes the same products."""
+    hi = tf32_round(x)
+    return hi, tf32_round(x - hi)
+
+
+@triton.jit
+def dot3(a, b):
+    """fp32 a @ b as three tf32 tensor-core products, a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo
+    b_lo is below 2^-22 of the product), the small terms first."""
+    a_hi, a_lo = tf32_split(a)
+    b_hi, b_lo = tf32_split(b)
+    acc = tl.dot(a_lo, b_hi, input_precision="tf32")
+    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def _dot2_left(a, b):
+    """a @ b with b exact in tf32 (a 16-bit input widened, or 0 / 1): two products."""
+    a_hi, a_lo = tf32_split(a)
+    acc = tl.dot(a_lo, b, input_precision="tf32")
+    return tl.dot(a_hi, b, acc, input_precision="tf32")
+
+
+@triton.jit
+def _dot2_right(a, b):
+    """a @ b with a exact in tf32: two products."""
+    b_hi, b_lo = tf32_split(b)
+    acc = tl.dot(a, b_lo, input_precision="tf32")
+    return tl.dot(a, b_hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def _dot_inputs(a, b):
+    """a @ b of two 16-bit tiles (fp32 accumulation): the products are exact in fp32 (8 or 11
+    mantissa bits a factor). bf16 goes through fp32 in the interpreter, whose bf16 tl.dot is
+    wrong (see fusetune._triton.dot)."""
+    if a.dtype == b.dtype:
+        if UPCAST_BF16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+    else:  # fp16 with bf16: both exact in tf32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
+def _mm_split(a, b):
+    """fp32 ``a @ b`` from tensor-core products: a 16-bit operand is an input tile as loaded,
+    exact in tf32 (bf16 has 8 mantissa bits, fp16 11 with tf32's exponent range covering fp16's),
+    so only fp32 operands are split."""
+    if a.dtype == tl.float32:
+        if b.dtype == tl.float32:
+            return dot3(a, b)
+        else:
+            return _dot2_left(a, b.to(tl.float32))
+    else:
+        if b.dtype == tl.float32:
+            return _dot2_right(a.to(tl.float32), b)
+        else:
+            return _dot_inputs(a, b)
+
+
+@triton.jit
 def mm(a, b, DOT: tl.constexpr):
-    """fp32 ``a @ b``: IEEE (DOT == 2), 3xTF32 (3) or tf32 (1)."""
+    """fp32 ``a @ b``: IEEE fp32 FMA (DOT == 2), or tensor cores (3: ``_mm_split``). Operands
+    are fp32 tiles or input tiles in their own dtype (fp32, fp16, bf16)."""
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT == 3:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+        return _mm_split(a, b)
 
 
 @triton.jit
@@ -92,14 +182,14 @@ def _load_gates(g_buf, buf_rows, mt):
 
 
 @triton.jit
-def _decays(g, r, LOWER: tl.constexpr):
+def _decays(g, r, LOWER: tl.constexpr, DOT: tl.constexpr):
     """exp(g_{s+1} + ... + g_t) on t > s (LOWER) or t >= s, else 0. The sums are formed
     directly (a 0/1 matmul of terms of one sign), not as G_t - G_s: cumsums reach -1000 and
     more in these models, where fp32 keeps only 1e-4 absolute, and exp turns that into a
     1e-4 relative error of the decay."""
     upto = tl.where(r[None, :] <= r[:, None], g[None, :], 0.0)  # [t, u]: g_u for u <= t
-    after = tl.where(r[:, None] > r[None, :], 1.0, 0.0)  # [u, s]: u > s
-    span = tl.dot(upto, after, input_precision="ieee")  # [t, s]: sum over s < u <= t
+    after = tl.where(r[:, None] > r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [u, s]: u > s
+    span = mm(upto, after, DOT)  # [t, s]: sum over s < u <= t (0 / 1 in bf16: exact, 2 dots)
     if LOWER:
         keep = r[:, None] > r[None, :]
     else:
@@ -114,7 +204,7 @@ def _tail(g, r):
 
 
 @triton.jit
-def _unit_lower_inverse(A, r, BT: tl.constexpr):
+def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BT, BT] A, in 16-row blocks: forward substitution inside
     the diagonal blocks (all blocks at once, 15 steps, each one matmul: row p of every block is
     e_p - A_p T, its earlier rows final), then the off-diagonal blocks through
@@ -125,20 +215,20 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr):
     A_diag = tl.where(same_block, A, 0.0)
     Dinv = eye
     for p in range(1, 16):
-        step = eye - tl.dot(A_diag, Dinv, input_precision="ieee")
+        step = eye - mm(A_diag, Dinv, DOT)
         Dinv = tl.where((r % 16 == p)[:, None], step, Dinv)
     result = Dinv
     if BT > 16:
-        N = tl.dot(Dinv, tl.where(same_block, 0.0, A), input_precision="ieee")
+        N = mm(Dinv, tl.where(same_block, 0.0, A), DOT)
         series = eye - N
         power = N
         for j in tl.static_range(2, BT // 16):  # + N^2 - N^3 ...
-            power = tl.dot(power, N, input_precision="ieee")
+            power = mm(power, N, DOT)
             if j % 2 == 0:
                 series = series + power
             else:
                 series = series - power
-        result = tl.dot(series, Dinv, input_precision="ieee")
+        result = mm(series, Dinv, DOT)
     return result
 
 
@@ -158,24 +248,24 @@ def wy_kernel(
     rows = start + tl.arange(0, BT)
     mt = rows < end
     ck = tl.arange(0, BK)
-    kc = tl.load(k + i_b * sk_b + (i_h // GROUP) * sk_h + rows[:, None] * sk_t + ck[None, :],
-                 mask=mt[:, None] & (ck < K)[None, :], other=0.0).to(tl.float32)
+    k_in = tl.load(k + i_b * sk_b + (i_h // GROUP) * sk_h + rows[:, None] * sk_t + ck[None, :],
+                   mask=mt[:, None] & (ck < K)[None, :], other=0.0)  # input dtype: see mm
     gq = tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt, other=0.0).to(tl.float32)
     gq = tl.maximum(gq, -1.0e4)  # exp(-1e4) is 0 to fp32; -inf would give 0 * inf below
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     r = tl.arange(0, BT)
-    A = bc[:, None] * mm(kc, tl.trans(kc), DOT) * _decays(gq, r, True)
-    Tinv = _unit_lower_inverse(A, r, BT)
+    A = bc[:, None] * mm(k_in, tl.trans(k_in), DOT) * _decays(gq, r, True, DOT)
+    Tinv = _unit_lower_inverse(A, r, BT, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(gc_buf + out_rows, gq, mask=mt)
     tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
 
 
 @triton.jit
-def _load_wy(t_buf, buf_rows, mt, r, kc, bc, gc, BT: tl.constexpr, DOT: tl.constexpr):
-    """T and W = T (beta e^G K) of a chunk."""
+def _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT: tl.constexpr, DOT: tl.constexpr):
+    """T and W = T (beta e^G K) of a chunk, as (T diag(beta e^G)) K: K stays an input tile."""
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    return Tinv, mm(Tinv, (bc * tl.exp(gc))[:, None] * kc, DOT)
+    return Tinv, mm(Tinv * (bc * tl.exp(gc))[None, :], k_in, DOT)
 
 
 @triton.jit
@@ -211,15 +301,15 @@ def states_kernel(
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile, S, mask=mkv)
         gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-        kc = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
-        vc = tl.load(v + rows[:, None] * sv_t + cv[None, :], mask=mtv, other=0.0).to(tl.float32)
+        k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
+                       other=0.0)  # k, v in their input dtype: see mm
+        v_in = tl.load(v + rows[:, None] * sv_t + cv[None, :], mask=mtv, other=0.0)
         bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-        Tinv, Wc = _load_wy(t_buf, buf_rows, mt, r, kc, bc, gc, BT, DOT)
-        Dc = mm(Tinv, bc[:, None] * vc, DOT) - mm(Wc, S, DOT)  # U - W S0
+        Tinv, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT, DOT)
+        Dc = mm(Tinv * bc[None, :], v_in, DOT) - mm(Wc, S, DOT)  # U - W S0, U = (T diag beta) V
         tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mtv)
-        kd = tl.where(mt[:, None], kc * tl.exp(_tail(gq, r))[:, None], 0.0)
-        S = S * tl.exp(g_last) + mm(tl.trans(kd), Dc, DOT)
+        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
+        S = S * tl.exp(g_last) + mm(tl.trans(k_in), to_end[:, None] * Dc, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
@@ -241,10 +331,10 @@ def output_kernel(
     ck, cv = tl.arange(0, BK), tl.program_id(2) * BVA + tl.arange(0, BVA)
     mk, mv = ck < K, cv < V
     i_hk = i_h // GROUP
-    qc = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
-                 mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
-    kc = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :],
-                 mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
+                   mask=mt[:, None] & mk[None, :], other=0.0)  # q, k in their input dtype
+    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :],
+                   mask=mt[:, None] & mk[None, :], other=0.0)
     buf_rows = (i_b * T + rows) * HV + i_h
     r = tl.arange(0, BT)
     gq, gc, _ = _load_gates(gc_buf, buf_rows, mt)
@@ -253,8 +343,8 @@ def output_kernel(
     slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
     S0 = tl.load(h_buf + (slot * HV + i_h) * K * V + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
-    attn = mm(qc, tl.trans(kc), DOT) * _decays(gq, r, False)
-    out = mm(qc * tl.exp(gc)[:, None], S0, DOT) + mm(attn, Dc, DOT)
+    attn = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
+    out = (scale * tl.exp(gc))[:, None] * mm(q_in, S0, DOT) + mm(attn, Dc, DOT)
     tl.store(o + i_b * so_b + i_h * so_h + rows[:, None] * so_t + cv[None, :],
              out.to(o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
@@ -304,21 +394,21 @@ def dstates_kernel(
         mtk = mt[:, None] & mk[None, :]
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(dh_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile, dS, mask=mkv)
-        qc = tl.load(q + rows[:, None] * sq_t + ck[None, :], mask=mtk, other=0.0).to(tl.float32)
-        qc = qc * scale
-        kc = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0).to(tl.float32)
-        dOc = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mt[:, None] & mv[None, :],
-                      other=0.0).to(tl.float32)
+        # q, k, dO in their input dtype: see mm
+        q_in = tl.load(q + rows[:, None] * sq_t + ck[None, :], mask=mtk, other=0.0)
+        k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
+        dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mt[:, None] & mv[None, :],
+                        other=0.0)
         gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
         bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-        _, Wc = _load_wy(t_buf, buf_rows, mt, r, kc, bc, gc, BT, DOT)
-        P = mm(qc, tl.trans(kc), DOT) * _decays(gq, r, False)
-        kd = tl.where(mt[:, None], kc * tl.exp(_tail(gq, r))[:, None], 0.0)
-        dDc = mm(kd, dS, DOT) + mm(tl.trans(P), dOc, DOT)
+        _, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT, DOT)
+        P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
+        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
+        dDc = to_end[:, None] * mm(k_in, dS, DOT) + mm(tl.trans(P), dO_in, DOT)
         tl.store(dd_buf + buf_rows[:, None] * V + cv[None, :], dDc,
                  mask=mt[:, None] & mv[None, :])
-        qe = qc * tl.exp(gc)[:, None]
-        dS = dS * tl.exp(g_last) + mm(tl.trans(qe), dOc, DOT) - mm(tl.trans(Wc), dDc, DOT)
+        dOe = (scale * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
+        dS = dS * tl.exp(g_last) + mm(tl.trans(q_in), dOe, DOT) - mm(tl.trans(Wc), dDc, DOT)
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
 
@@ -345,14 +435,18 @@ def bwd_chunk_kernel(
     mk = ck < K
     mtk = mt[:, None] & mk[None, :]
     i_hk = i_h // GROUP
-    qc = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
-                 other=0.0).to(tl.float32) * scale
-    kc = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
-                 other=0.0).to(tl.float32)
+    # q, k, v, dO as loaded (input dtype) go into the products (see mm); fp32 copies elsewhere.
+    q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
+                   other=0.0)
+    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
+                   other=0.0)
+    qc = q_in.to(tl.float32) * scale
+    kc = k_in.to(tl.float32)
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
+    t_beta = Tinv * bc[None, :]  # U = T (beta V) = (T diag beta) V
     state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
     # Sums over value columns: dO S0^T, dO D^T, D dS^T, dD S0^T, dD U^T, V . dvb, <dS, S0>.
     dQe = tl.zeros([BT, BK], dtype=tl.float32)
@@ -366,39 +460,39 @@ def bwd_chunk_kernel(
         cv = v0 + tl.arange(0, BVA)
         mv = cv < V
         mtv = mt[:, None] & mv[None, :]
-        vc = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :], mask=mtv,
-                     other=0.0).to(tl.float32)
-        dOc = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
-                      mask=mtv, other=0.0).to(tl.float32)
+        v_in = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
+                       mask=mtv, other=0.0)
+        dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
+                        mask=mtv, other=0.0)
         Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
         dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        Uc = mm(Tinv, bc[:, None] * vc, DOT)  # U = T (beta V), recomputed: no [T, V] buffer
+        Uc = mm(t_beta, v_in, DOT)  # recomputed: no [T, V] buffer
         state = state0 + ck[:, None] * V + cv[None, :]
         S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
         dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dQe += mm(dOc, tl.trans(S0), DOT)
-        dP += mm(dOc, tl.trans(Dc), DOT)
+        dQe += mm(dO_in, tl.trans(S0), DOT)
+        dP += mm(dO_in, tl.trans(Dc), DOT)
         dKd += mm(Dc, tl.trans(dS), DOT)
         dW -= mm(dDc, tl.trans(S0), DOT)
         dUU += mm(dDc, tl.trans(Uc), DOT)
         dvb = mm(tl.trans(Tinv), dDc, DOT)  # d(beta V) = T^T dU, dU = dD
-        dbeta += tl.sum(vc * dvb, axis=1)
+        dbeta += tl.sum(v_in.to(tl.float32) * dvb, axis=1)
         x0 += tl.sum(tl.sum(dS * S0, axis=1), axis=0)
         tl.store(dv + i_b * sdv_b + i_h * sdv_h + rows[:, None] * sdv_t + cv[None, :],
                  (bc[:, None] * dvb).to(dv.dtype.element_ty), mask=mtv)
     eg = tl.exp(gc)
     eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
-    gamma = _decays(gq, r, False)
-    gamma_lower = _decays(gq, r, True)
-    KK = mm(kc, tl.trans(kc), DOT)
+    gamma = _decays(gq, r, False, DOT)
+    gamma_lower = _decays(gq, r, True, DOT)
+    KK = mm(k_in, tl.trans(k_in), DOT)
     A = bc[:, None] * KK * gamma_lower
     kb = (bc * eg)[:, None] * kc
-    Wc = mm(Tinv, kb, DOT)
-    # O = (e^G Q) S0 + P D with P = (Q K^T) * Gamma.
-    P = mm(qc, tl.trans(kc), DOT) * gamma
+    Wc = mm(Tinv * (bc * eg)[None, :], k_in, DOT)  # T kb
+    # O = (e^G Q) S0 + P D with P = (Q K^T) * Gamma (Q scaled).
+    P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma)
     dQK = dP * gamma
-    dq = eg[:, None] * dQe + mm(dQK, kc, DOT)
-    dk = mm(tl.trans(dQK), qc, DOT)
+    dq = eg[:, None] * dQe + mm(dQK, k_in, DOT)
+    dk = scale * mm(tl.trans(dQK), q_in, DOT)
     # S_end = e^{G_last} S0 + (e^{G_last - G} K)^T D.
     dk += eg_end[:, None] * dKd
     # D = U - W S0, W = T kb, U = T (beta V), T = (I + A)^-1: dA = -T^T (dW W^T + dU U^T).
@@ -407,13 +501,13 @@ def bwd_chunk_kernel(
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
     dk += (bc * eg)[:, None] * dkb
     dKK = dA * gamma_lower * bc[:, None]
-    dk += mm(dKK, kc, DOT) + mm(tl.trans(dKK), kc, DOT)
+    dk += mm(dKK + tl.trans(dKK), k_in, DOT)  # KK = K K^T: both factors
     dbeta += eg * tl.sum(kc * dkb, axis=1) + tl.sum(dA * gamma_lower * KK, axis=1)
     # dg_u: every term whose decay factor spans token u (all such factors hold exp(g_u)).
     pairs = dP * P + dA * A  # exp(G_t - G_s): spans s < u <= t
     pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
-    before = tl.where(r[:, None] < r[None, :], 1.0, 0.0)  # [s, u]: s < u
-    spans = tl.dot(pairs, before, input_precision="ieee")  # [t, u]: sum over s < u
+    before = tl.where(r[:, None] < r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [s, u]: s < u
+    spans = mm(pairs, before, DOT)  # [t, u]: sum over s < u
     dg = tl.sum(tl.where(r[:, None] >= r[None, :], spans, 0.0), axis=0)
     own = tl.sum(qc * eg[:, None] * dQe, axis=1) + tl.sum(kb * dkb, axis=1)  # e^{G_t}: t >= u
     dg += tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
