@@ -1,0 +1,140 @@
+"""Gated DeltaNet chunk mode on the GPU: fwd+bwd and forward ms, peak memory, per product mode
+(FUSETUNE_GDR_DOT=ieee | split3, read at every call) beside transformers' torch chunk loop, at
+the issue's Qwen3.5-like shape (B4 T4096 H16 D128, bf16), plus split3's distance to IEEE.
+
+    PYTHONPATH=src:tests python tools/gdr_modes_bench.py [--batch 4 --seq-len 4096]
+
+Inputs as bench/cases_gated_delta_rule.py makes them (raw q, k with use_qk_l2norm_in_kernel,
+fp32 g, bf16 beta). Rows "... no-l2norm" pass unit-norm bf16 q, k without the flag: every
+product of two inputs then runs on 16-bit tensor cores (with l2norm q, k reach the kernels in
+fp32, normalised there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import fusetune
+from fusetune.bench.cases_gated_delta_rule import _inputs, _transformers_torch
+
+HEADS, DIM = 16, 128
+
+
+def timed(fn, repeats: int) -> float:
+    """Median ms of ``fn`` over ``repeats`` runs after two untimed ones."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    """Peak memory of one ``fn`` call above what was allocated before it, MiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def make_run(forward, leaves, grad_out):
+    def fwd_bwd():
+        for leaf in leaves:
+            leaf.grad = None
+        forward().backward(grad_out)
+
+    def fwd_only():
+        with torch.no_grad():
+            forward()
+
+    return fwd_bwd, fwd_only
+
+
+def ours(leaves, mode: str, l2norm: bool):
+    def forward():
+        os.environ["FUSETUNE_GDR_DOT"] = mode
+        return fusetune.gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=l2norm)[0]
+
+    return forward
+
+
+def results(forward, leaves, grad_out) -> list[torch.Tensor]:
+    for leaf in leaves:
+        leaf.grad = None
+    out = forward()
+    out.backward(grad_out)
+    return [out.detach().float()] + [leaf.grad.float() for leaf in leaves]
+
+
+def relative_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
+    names = ("o", "dq", "dk", "dv", "dg", "dbeta")
+    gaps = ((x - y).abs().max() / y.abs().max().clamp_min(1e-30) for x, y in zip(a, b, strict=True))
+    return "  ".join(f"{n} {g.item():.1e}" for n, g in zip(names, gaps, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shape = (args.batch, args.seq_len, HEADS, DIM)
+    leaves = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
+    grad_out = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    unit = [
+        F.normalize(x.detach().float(), dim=-1).to(x.dtype).requires_grad_() for x in leaves[:2]
+    ]
+    unit_leaves = unit + leaves[2:]
+    providers = {
+        "fusetune ieee": (ours(leaves, "ieee", True), leaves),
+        "fusetune split3": (ours(leaves, "split3", True), leaves),
+        "fusetune ieee no-l2norm": (ours(unit_leaves, "ieee", False), unit_leaves),
+        "fusetune split3 no-l2norm": (ours(unit_leaves, "split3", False), unit_leaves),
+    }
+    torch_loop = _transformers_torch()
+    if torch_loop is not None:
+        providers["transformers-torch"] = (
+            lambda: torch_loop(*leaves, use_qk_l2norm_in_kernel=True)[0],
+            leaves,
+        )
+    print(f"B{args.batch} T{args.seq_len} H{HEADS} D{DIM} bf16, median of {args.repeats}")
+    rows = []
+    for name, (forward, inputs) in providers.items():
+        fwd_bwd, fwd_only = make_run(forward, inputs, grad_out)
+        row = (name, timed(fwd_bwd, args.repeats), timed(fwd_only, args.repeats), peak_mib(fwd_bwd))
+        print(f"done: {name}", flush=True)
+        rows.append(row)
+    for l2norm, (ieee, split3) in (
+        ("l2norm", ("fusetune ieee", "fusetune split3")),
+        ("no-l2norm", ("fusetune ieee no-l2norm", "fusetune split3 no-l2norm")),
+    ):
+        inputs = providers[ieee][1]
+        gap = relative_gap(
+            results(providers[split3][0], inputs, grad_out),
+            results(providers[ieee][0], inputs, grad_out),
+        )
+        print(f"split3 vs ieee ({l2norm}), max abs gap / max abs: {gap}")
+    base = dict((r[0], r[1]) for r in rows).get("transformers-torch")
+    header = ("provider", "fwd+bwd ms", "fwd ms", "peak MiB", "vs torch")
+    print("\n{:28s} {:>11s} {:>8s} {:>9s} {:>9s}".format(*header))
+    for name, both, fwd, peak in rows:
+        speedup = f"{base / both:8.1f}x" if base else "-"
+        print(f"{name:28s} {both:11.2f} {fwd:8.2f} {peak:9.0f} {speedup:>9s}")
+
+
+if __name__ == "__main__":
+    main()
