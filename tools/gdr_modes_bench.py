@@ -134,6 +134,25 @@ def main() -> None:
     for name, both, fwd, peak in rows:
         speedup = f"{base / both:8.1f}x" if base else "-"
         print(f"{name:28s} {both:11.2f} {fwd:8.2f} {peak:9.0f} {speedup:>9s}")
+    print("\nsplit3 (l2norm), one fwd+bwd step, GPU time per kernel:")
+    profile(*providers["fusetune split3"], grad_out)
+
+
+def profile(forward, leaves, grad_out) -> None:
+    """GPU time per kernel of one split3 fwd+bwd step (where the time goes)."""
+    fwd_bwd, _ = make_run(forward, leaves, grad_out)
+    fwd_bwd()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    for key in ("self_device_time_total", "self_cuda_time_total"):  # newer / older torch
+        try:
+            print(prof.key_averages().table(sort_by=key, row_limit=14))
+            return
+        except (AttributeError, KeyError, ValueError):
+            continue
 
 
 if __name__ == "__main__":
