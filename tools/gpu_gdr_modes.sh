@@ -15,14 +15,14 @@ mkdir -p "$OUT"
 export PYTHONPATH=src:tests
 SPLIT3_TESTS="split3 or tf32_split or dot_mode"
 echo "== 1. split3 tests (pytest -n 4 -x)"
-timeout 90 python -m pytest -q -p no:cacheprovider -rfE -x -n 4 tests/test_gated_delta_rule.py \
+timeout 100 python -m pytest -q -p no:cacheprovider -rfE -x -n 4 tests/test_gated_delta_rule.py \
     -k "$SPLIT3_TESTS" 2>&1 | tee "$OUT/gdr_split3_tests.txt"
 status=${PIPESTATUS[0]}
 echo "== split3 tests exit $status"
 if [ "$status" -ne 0 ] && grep -qiE "illegal memory|CUDA error|misaligned|unspecified launch" \
     "$OUT/gdr_split3_tests.txt"; then
     echo "== 1b. CUDA fault: again with CUDA_LAUNCH_BLOCKING=1, one process, -x"
-    CUDA_LAUNCH_BLOCKING=1 timeout 45 python -m pytest -q -p no:cacheprovider -rfE -x \
+    CUDA_LAUNCH_BLOCKING=1 timeout 40 python -m pytest -q -p no:cacheprovider -rfE -x \
         tests/test_gated_delta_rule.py -k "$SPLIT3_TESTS" 2>&1 | tee "$OUT/gdr_split3_blocking.txt"
 fi
 echo "== 2. B4 T4096 H16 D128 bf16: ieee vs split3 vs transformers' torch loop"
