@@ -41,6 +41,18 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #   K = V = 256, BT 64:  output 212992, dstates 237568, bwd_chunk 295168: too close or over,
 #                        hence chunk 32 for K > 128 (chunk_size) with BVA 32:
 #   K = V = 256, BT 32:  output 139264, dstates 110592 (BV 32), bwd_chunk 139392 (BVA 32)
+# After the split3 rewrite (``python tools/gdr_shared_memory.py K MODE DTYPE``, the launcher's
+# blocks: states / dstates BV 32 at K 128, 16 at K 256; bwd_chunk BVA from bwd_block_v;
+# l2norm = bf16 inputs with fp32 q, k):
+#   K = V = 128, BT 64      wy      states  output  dstates  bwd_chunk
+#     ieee fp32             32768   90112   114688  106752   147456 (BVA 64)
+#     split3 fp32           98304   98304   65536   114688   196608 (BVA 32)
+#     split3 l2norm         98304   98304   65536   114688   196608 (BVA 32)
+#     split3 bf16 / fp16    98304   65536   65536   114688   163840 (BVA 32; 229376 at 64)
+#   K = V = 256, BT 32
+#     ieee fp32             32768   71680   139264  75904    102528
+#     split3 fp32 / l2norm  65536   34816   65536   81920    98304
+#     split3 bf16           20480   32768   81920   69632    65536
 
 
 def chunk_size(interpreting: bool, key_dim: int = 128) -> int:
