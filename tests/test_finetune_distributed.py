@@ -54,3 +54,19 @@ def test_two_ranks_match_one_process(tmp_path):
     for name, tensor in want_adapter.items():
         assert_close(f"adapter {name}", got_adapter[name], tensor, 1e-3)
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
+def test_accelerate_engine_plugins_are_refused(variable, tmp_path, capsys, monkeypatch):
+    """accelerate launch with a DeepSpeed or FSDP config: finetune shards with FSDP2 itself, so
+    it says the engine would be ignored and stops before writing anything."""
+    from fusetune.finetune import command, distributed
+
+    monkeypatch.setenv(variable, "true")
+    monkeypatch.setattr(
+        command.distributed, "setup", lambda device: (distributed.Ranks(0, 2), device)
+    )
+    assert main(["--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert variable in err and "FSDP2" in err
+    assert not (tmp_path / "o").exists()

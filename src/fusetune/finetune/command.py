@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -112,11 +113,27 @@ def _find_resume(args: argparse.Namespace, identity: dict) -> checkpoint.Checkpo
     return found
 
 
+def _refuse_accelerate_engines() -> None:
+    """finetune shards with FSDP2 itself; accelerate's DeepSpeed and FSDP plugins (set by
+    ``accelerate launch --use_deepspeed`` / a config) would otherwise be silently ignored."""
+    for variable, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                             ("ACCELERATE_USE_FSDP", "accelerate's FSDP plugin")):  # fmt: skip
+        if os.environ.get(variable, "").lower() in ("1", "true"):
+            raise FinetuneError(
+                f"finetune shards the model with FSDP2 itself and does not run under {engine} "
+                f"({variable} is set): launch with torchrun, or accelerate launch without a "
+                "DeepSpeed / FSDP config; for ZeRO-3, call fusetune.apply(model) in your own "
+                "DeepSpeed loop"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     args.ranks, args.device = distributed.setup(args.device)
     try:
         if args.ranks.world > 1 and args.load_in_4bit:
             raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
+        if args.ranks.world > 1:
+            _refuse_accelerate_engines()
         if args.ranks.world > 1 and args.compile:
             # measured (gloo, 2 ranks): FSDP2's per-layer hooks break the stack's graph inside
             # the layer loop, so the stack runs eagerly and every layer compiles on its own
