@@ -10,11 +10,11 @@
 set -u
 OUT=${OUT:-/tmp/gsa_precision_out}
 mkdir -p "$OUT"
-export PYTHONPATH=src:tests
+export PYTHONPATH=src:tests PYTHONUNBUFFERED=1  # a study cut off at its cap still shows its rows
 timeout 210 python -m pytest -q -p no:cacheprovider -rfE -n 4 tests/test_gsa.py \
     -k "fp16 or varlen or long_sequences" >"$OUT/gsa_tests.txt" 2>&1 &
 tests=$!
-timeout 210 python tools/gsa_precision.py issue tf32x3 tf32 ieee 2>&1 | tee "$OUT/gsa_precision.txt"
+timeout 300 python tools/gsa_precision.py issue tf32x3 tf32 ieee 2>&1 | tee "$OUT/gsa_precision.txt"
 wait "$tests"
 echo "== tests/test_gsa.py -k 'fp16 or varlen or long_sequences' (exit $?; full log $OUT/gsa_tests.txt)"
 tail -n 40 "$OUT/gsa_tests.txt"
