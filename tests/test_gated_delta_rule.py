@@ -259,11 +259,12 @@ def test_fp32_gates_beside_bf16_inputs():
     )
 
 
-# ----------------------------------------------------------------------------- split3 products
-# FUSETUNE_GDR_DOT=split3: tensor-core products (16-bit inputs as they are, fp32 operands split
-# into two tf32 halves, gdr_chunk.mm) instead of IEEE fp32 FMA. Triton's own "tf32x3" lowering
-# faulted (illegal memory access) on the small shapes below under Triton 3.6: they run here on
-# the CPU and again, compiled, in the GPU pass.
+# ----------------------------------------------------------------------------- split products
+# FUSETUNE_GDR_DOT=split3 | bf16x6: tensor-core products (16-bit inputs as they are, fp32
+# operands split into two tf32 halves or three bf16 pieces, gdr_chunk.mm) instead of IEEE fp32
+# FMA. Triton's own "tf32x3" lowering faulted (illegal memory access) on the small shapes below
+# under Triton 3.6: they run here on the CPU and again, compiled, in the GPU pass.
+SPLIT_MODES = ["split3", "bf16x6"]
 
 
 @triton.jit
@@ -272,6 +273,15 @@ def _split_kernel(x, hi, lo, N: tl.constexpr):
     high, low = gdr_chunk.tf32_split(tl.load(x + cols))
     tl.store(hi + cols, high)
     tl.store(lo + cols, low)
+
+
+@triton.jit
+def _bf16_split_kernel(x, pieces, N: tl.constexpr):
+    cols = tl.arange(0, N)
+    b0, b1, b2 = gdr_chunk.bf16_split(tl.load(x + cols))
+    tl.store(pieces + cols, b0)
+    tl.store(pieces + N + cols, b1)
+    tl.store(pieces + 2 * N + cols, b2)
 
 
 @triton.jit
@@ -305,6 +315,23 @@ def test_tf32_split():
     assert (rest[~normal] <= 2.0**-137).all()
 
 
+def test_bf16_split():
+    """Three bf16 pieces carry x to 2^-27 relative (fp32 keeps 2^-24), each piece at most 2^-7
+    of the one before (2^-8 where the conversion rounds to nearest, as the GPU's does; the
+    interpreter's truncates)."""
+    torch.manual_seed(2)
+    x = torch.randn(256) * torch.exp2(torch.randint(-60, 60, (256,)).float())
+    x[:3] = torch.tensor([0.0, 1.9999999, -3.0000002])
+    pieces = torch.empty(3, 256, dtype=torch.bfloat16, device=DEVICE)
+    _bf16_split_kernel[(1,)](x.to(DEVICE), pieces, N=256)
+    parts = pieces.cpu().double()
+    x64 = x.double()
+    assert ((x64 - parts.sum(0)).abs() <= 2.0**-27 * x64.abs()).all()
+    assert (parts[1].abs() <= 2.0**-7 * parts[0].abs()).all()
+    assert (parts[2].abs() <= 2.0**-7 * parts[1].abs()).all()
+
+
+@pytest.mark.parametrize("mode", SPLIT_MODES)
 @pytest.mark.parametrize(
     "dtypes",
     [
@@ -317,9 +344,10 @@ def test_tf32_split():
     ],
     ids=["fp32-fp32", "fp32-bf16", "bf16-fp32", "bf16-bf16", "fp16-fp16", "fp16-bf16"],
 )
-def test_split3_products(dtypes):
-    """gdr_chunk.mm in split3 mode against float64 for every operand pairing the kernels use:
-    within 2^-20 of |a| |b| (fp32 rounding and accumulation; one tf32 product would be 2^-11)."""
+def test_split_products(mode, dtypes):
+    """gdr_chunk.mm in split3 / bf16x6 mode against float64 for every operand pairing the
+    kernels use: within 2^-20 of |a| |b| (fp32 rounding and accumulation; one tf32 product would
+    be 2^-11, one bf16 product 2^-8)."""
     torch.manual_seed(1)
     n = 32
     a, b = (
@@ -327,7 +355,7 @@ def test_split3_products(dtypes):
         for dt in dtypes
     )
     c = torch.empty(n, n, device=DEVICE)
-    _mm_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, DOT=3, N=n)
+    _mm_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, DOT=gdr_chunk.DOT_MODES[mode], N=n)
     want = a.double() @ b.double()
     bound = 2.0**-20 * (a.double().abs() @ b.double().abs())
     assert ((c.cpu().double() - want).abs() <= bound).all()
@@ -336,12 +364,14 @@ def test_split3_products(dtypes):
 def test_dot_mode_names(monkeypatch):
     monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
     assert gdr_chunk.dot_mode() == 3
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "bf16x6")
+    assert gdr_chunk.dot_mode() == 4
     monkeypatch.setenv("FUSETUNE_GDR_DOT", "tf32x3")
-    with pytest.raises(ValueError, match="FUSETUNE_GDR_DOT must be ieee or split3, got 'tf32x3'"):
+    with pytest.raises(ValueError, match=r"one of \('ieee', 'split3', 'bf16x6'\), got 'tf32x3'"):
         gdr_chunk.dot_mode()
 
 
-SPLIT3_CASES = {
+SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, options)
     "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),
     "matrix-fp16": (dict(batch=1, seq_len=19), torch.float16, {}),
@@ -356,20 +386,22 @@ SPLIT3_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SPLIT3_CASES))
-def test_split3_small_shapes(monkeypatch, case):
-    """Chunk mode in split3 mode on the test matrix's small shapes (padded K = 12, V = 20;
-    grouped heads; several value blocks; T = 1), every output and gradient."""
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+@pytest.mark.parametrize("mode", SPLIT_MODES)
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_small_shapes(monkeypatch, mode, case):
+    """Chunk mode in split3 / bf16x6 mode on the test matrix's small shapes (padded K = 12,
+    V = 20; grouped heads; several value blocks; T = 1), every output and gradient."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     if case == "value-blocks-fp32":
         monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
-    shape, dtype, options = SPLIT3_CASES[case]
+    shape, dtype, options = SPLIT_CASES[case]
     run_check(make_inputs(**shape), dtype, "chunk", **options)
 
 
-def test_split3_varlen(monkeypatch):
-    """Packed sequences (one empty, one of a single token) in split3 mode, bf16."""
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+@pytest.mark.parametrize("mode", SPLIT_MODES)
+def test_split_varlen(monkeypatch, mode):
+    """Packed sequences (one empty, one of a single token) in split3 / bf16x6 mode, bf16."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     offsets = [0, 5, 5, 17, 18, 30]
     inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
     cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
@@ -384,10 +416,11 @@ def test_split3_varlen(monkeypatch):
     )
 
 
-def test_split3_chunks_of_64_extreme_gates(monkeypatch):
-    """split3 with 64-token chunks (the blocked inverse's N^2, N^3 terms through split
-    products) and gates of -5000, -1e4 and -inf: exact in fp32, dg included."""
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+@pytest.mark.parametrize("mode", SPLIT_MODES)
+def test_split_chunks_of_64_extreme_gates(monkeypatch, mode):
+    """Split products with 64-token chunks (the blocked inverse's N^2, N^3 terms through them)
+    and gates of -5000, -1e4 and -inf: exact in fp32, dg included."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     monkeypatch.setattr(gdr_chunk, "INTERPRET_CHUNK", 64)
     inputs = make_inputs(batch=1, seq_len=70, unit_keys=False)
     inputs["g"][:, 2] = -5000.0
@@ -399,14 +432,20 @@ def test_split3_chunks_of_64_extreme_gates(monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1024, K = V = 128")
 @pytest.mark.parametrize(
-    "dtype,l2norm",
-    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
-    ids=["bf16-l2norm", "bf16", "fp32"],
+    "mode,dtype,l2norm",
+    [
+        ("split3", torch.bfloat16, True),
+        ("split3", torch.bfloat16, False),
+        ("split3", torch.float32, False),
+        ("bf16x6", torch.bfloat16, True),
+        ("bf16x6", torch.float32, False),
+    ],
+    ids=["split3-bf16-l2norm", "split3-bf16", "split3-fp32", "bf16x6-bf16-l2norm", "bf16x6-fp32"],
 )
-def test_split3_long_gpu(monkeypatch, dtype, l2norm):
-    """split3 at B2 T1024, four value heads on two key heads, K = V = 128: with l2norm (the
-    models' call: fp32 q, k beside bf16 v, dO), without (every input product in bf16), fp32."""
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+def test_split_long_gpu(monkeypatch, mode, dtype, l2norm):
+    """Split products at B2 T1024, four value heads on two key heads, K = V = 128: with l2norm
+    (the models' call: fp32 q, k beside bf16 v, dO), without (input products in bf16), fp32."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     inputs = make_inputs(
         batch=2,
         seq_len=1024,
