@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 20 on the GPU (4 minutes at most on an H100: timeouts 120 + 30 + 90 s): Gated
-# DeltaNet's split products (FUSETUNE_GDR_DOT=split3: tensor cores, fp32 operands split into tf32 halves by hand, 16-bit
-# inputs as they are; bf16x6: the same with three bf16 pieces, in case tf32 products fault too)
-# against IEEE. Logs under $OUT.
+# DeltaNet's split products against IEEE. FUSETUNE_GDR_DOT=split3: tensor cores, fp32 operands
+# split into tf32 halves by hand, 16-bit inputs as they are; bf16x6: the same with three bf16
+# pieces, in case tf32 products fault too. Logs under $OUT.
 #   1. the split tests, both modes (small shapes that faulted under Triton's own tf32x3,
 #      B2 T1024 H4 D128, the split helpers): pytest -n 4 -x; if that fails with a CUDA fault,
 #      once more in one process with CUDA_LAUNCH_BLOCKING=1 so the log names the faulting launch;
