@@ -49,10 +49,14 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #     split3 fp32           98304   98304   65536   114688   196608 (BVA 32)
 #     split3 l2norm         98304   98304   65536   114688   196608 (BVA 32)
 #     split3 bf16 / fp16    98304   65536   65536   114688   163840 (BVA 32; 229376 at 64)
+#     bf16x6 fp32           73728   73728   49152   81920    147456 (BVA 32)
+#     bf16x6 l2norm         73728   77824   49152   86016    147456 (BVA 32)
+#     bf16x6 bf16           73728   45056   65536   69632    114688 (BVA 32)
 #   K = V = 256, BT 32
 #     ieee fp32             32768   71680   139264  75904    102528
 #     split3 fp32 / l2norm  65536   34816   65536   81920    98304
 #     split3 bf16           20480   32768   81920   69632    65536
+#     bf16x6 l2norm         65536   34816   65536   52224    65536
 
 
 def chunk_size(interpreting: bool, key_dim: int = 128) -> int:
