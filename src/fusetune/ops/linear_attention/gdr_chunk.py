@@ -35,7 +35,7 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 # GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel: the
 # sequential loops gain nothing from prefetch (each step waits on the previous one's state).
 # Measured by compiling for sm_90 offline (Triton 3.9, ``triton.compile`` with
-# GPUTarget("cuda", 90, 32), metadata.shared; bytes, num_stages=1):
+# GPUTarget("cuda", 90, 32), metadata.shared; bytes, num_stages=1), before the split modes:
 #   K = V = 128, BT 64:  wy 32768 (8 warps), states 65536 (BV 64; the launcher uses 32),
 #                        output 114688 (BVA 64), dstates 147456 (BV 64), bwd_chunk 164096 (BVA 64)
 #   K = V = 256, BT 64:  output 212992, dstates 237568, bwd_chunk 295168: too close or over,
