@@ -159,6 +159,23 @@ def test_compiled_stack_trains_as_the_eager_patched_model(model_type):
         fusetune.revert(eager)
 
 
+def test_masks_stay_traceable_outside_compiled_stacks():
+    """compile_layers builds masks eagerly only while its compiled stack runs: another model of
+    the family still compiles whole with fullgraph=True (a disabled builder would break it)."""
+    stacked = lora_model("llama")
+    fusetune.compile_layers(stacked, backend=BACKEND)
+    ids, mask, labels = batches(1)[0]
+    stacked(input_ids=ids, attention_mask=mask, labels=labels)
+    config = transformers.AutoConfig.for_model("llama", **CONFIG, num_hidden_layers=1)
+    other = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    other = other.to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(other, backend=BACKEND, fullgraph=True)
+    want = other(input_ids=ids, attention_mask=mask).logits
+    assert_close("logits", compiled(input_ids=ids, attention_mask=mask).logits, want, TOL)
+    fusetune.revert(stacked)
+
+
 # ----------------------------------------------------------------------------- finetune --compile
 
 COMPILE = "default" if ON_GPU else "aot_eager"

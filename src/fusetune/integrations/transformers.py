@@ -485,14 +485,23 @@ def compile_layers(model: torch.nn.Module, **compile_options: object) -> int:
     raise ValueError(f"model: no decoder layers found in {type(model).__name__}")
 
 
+class _EagerMasks:
+    """How many stacks compiled by :func:`compile_layers` are running (their forward hooks
+    count): only there do the mask builders run outside the graph."""
+
+    depth = 0
+
+
 def _build_masks_eagerly(stack: torch.nn.Module) -> None:
     """Run the stack's attention-mask builders (transformers.masking_utils' ``create_*``
-    functions, as the stack's modeling module names them) outside the graph, at the cost of
-    one graph break. Traced, transformers cannot look at values, so it keeps every mask: with
-    torch < 2.14 it never drops an all-visible causal mask, and it always takes position ids
-    for packed sequences (a [B, 1, T, T] mask instead of SDPA's ``is_causal``: on the H100
-    Llama-3.2-1B's attention went from 11.3 to 28.8 ms a step). Eager, the builders decide
-    as they do without compile. Process-wide for that modeling module, harmless eagerly."""
+    functions, as the stack's modeling module names them) outside the graph while ``stack``
+    runs, at the cost of one graph break. Traced, transformers cannot look at values, so it
+    keeps every mask: with torch < 2.14 it never drops an all-visible causal mask, and it always
+    takes position ids for packed sequences (a [B, 1, T, T] mask instead of SDPA's
+    ``is_causal``: on the H100 Llama-3.2-1B's attention went from 11.3 to 28.8 ms a step).
+    Eager, the builders decide as they do without compile. The module's names are replaced by
+    switches that call the original unless a compiled stack is running, so other models of
+    the family (a whole model under ``torch.compile(fullgraph=True)``) trace them as before."""
     namespace = sys.modules[type(stack).__module__].__dict__
     for name, value in list(namespace.items()):
         if (
@@ -501,9 +510,30 @@ def _build_masks_eagerly(stack: torch.nn.Module) -> None:
             and getattr(value, "__module__", "") == "transformers.masking_utils"
             and not hasattr(value, "_fusetune_eager")
         ):
-            eager = functools.wraps(value)(torch.compiler.disable(value))
-            eager._fusetune_eager = True
-            namespace[name] = eager
+            namespace[name] = _mask_switch(value)
+    if not getattr(stack, "_fusetune_eager_masks", False):
+        stack._fusetune_eager_masks = True
+        stack.register_forward_pre_hook(_enter_compiled_stack)
+        stack.register_forward_hook(_leave_compiled_stack, always_call=True)
+
+
+def _mask_switch(builder: Callable) -> Callable:
+    eager = torch.compiler.disable(builder)
+
+    @functools.wraps(builder)
+    def switch(*args, **kwargs):
+        return (eager if _EagerMasks.depth else builder)(*args, **kwargs)
+
+    switch._fusetune_eager = True
+    return switch
+
+
+def _enter_compiled_stack(module, args) -> None:
+    _EagerMasks.depth += 1
+
+
+def _leave_compiled_stack(module, args, output) -> None:
+    _EagerMasks.depth -= 1
 
 
 def revert(model_or_model_type):
