@@ -7,14 +7,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-e2e-shapes}
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
-wheels=$(python3 tools/carried_wheels.py .unsloth .bnb 2>"$OUT/install.log")
-if [ -n "$wheels" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels 2>&1 | tee -a "$OUT/install.log"
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export UNSLOTH_DISABLE_STATISTICS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
+# shellcheck source=tools/unsloth_env.sh
+source tools/unsloth_env.sh
 variants=${VARIANTS:-hf+peft,hf+peft+fusetune,hf+peft+fusetune+compile,unsloth}
 for shape in ${SHAPES:-gemma3-1b qwen2.5-0.5b}; do
   left=$((BUDGET - SECONDS))

@@ -18,16 +18,8 @@ cap() { # a step's timeout: its own limit, or what is left of the budget
   ((left < 10)) && left=10
   echo $(($1 < left ? $1 : left))
 }
-wheels=$(python3 tools/carried_wheels.py .unsloth .bnb 2>"$OUT/install.log")
-if [ -n "$wheels" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels 2>&1 | tee -a "$OUT/install.log"
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# No network on the GPU machine: Unsloth's usage statistics (a Hub download at load), the Hub,
-# telemetry off; Unsloth's generated modules under /tmp instead of ./unsloth_compiled_cache.
-export UNSLOTH_DISABLE_STATISTICS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
+# shellcheck source=tools/unsloth_env.sh
+source tools/unsloth_env.sh
 
 echo "== a) import unsloth" | tee "$OUT/a-import.log"
 timeout "$(cap 90)" python3 -c "

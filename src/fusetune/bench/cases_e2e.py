@@ -676,8 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # PEFT calls a transformers property that 5.2x deprecates: noise in every variant's log.
     warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
-    args.shapes = _choices(args.shapes, SHAPES, "--shapes")
-    args.variants = _choices(args.variants, VARIANTS, "--variants")
+    args.shapes = parse_choices(args.shapes, SHAPES, "--shapes")
+    args.variants = parse_choices(args.variants, VARIANTS, "--variants")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device, quick=device.type != "cuda")
     out = Path(args.out)
@@ -712,7 +712,7 @@ def _profile_lines(row: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _choices(text: str, known, option: str) -> list[str]:
+def parse_choices(text: str, known, option: str) -> list[str]:
     picked = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [p for p in picked if p not in known]
     if unknown or not picked:

@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from fusetune.bench.cases_e2e import DEFAULT_SHAPES, SEQ_LEN, SHAPES, TINY_BATCH, TINY_SEQ_LEN
+from fusetune.bench.cases_e2e import (
+    DEFAULT_SHAPES,
+    SEQ_LEN,
+    SHAPES,
+    TINY_BATCH,
+    TINY_SEQ_LEN,
+    parse_choices,
+)
 
 VARIANTS = ("hf", "liger", "fusetune")
 ENGINES = ("fsdp2", "zero3")
@@ -73,10 +80,10 @@ def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
     modes = [m for m, on in (("full", args.full), ("lora", args.lora)) if on] or ["lora"]
     found = []
     for key, engine, mode, variant in itertools.product(
-        _pick(args.shapes, SHAPES, "--shapes"),
-        _pick(args.engine, ENGINES, "--engine"),
+        parse_choices(args.shapes, SHAPES, "--shapes"),
+        parse_choices(args.engine, ENGINES, "--engine"),
         modes,
-        _pick(args.variants, VARIANTS, "--variants"),
+        parse_choices(args.variants, VARIANTS, "--variants"),
     ):
         batch = args.batch or (TINY_BATCH if tiny else SHAPES[key].batch)
         seq_len = args.seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
@@ -84,14 +91,6 @@ def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
         found.append({**job, "seq_len": seq_len, "steps": args.steps, "warmup": args.warmup,
                       "tiny": tiny})  # fmt: skip
     return found
-
-
-def _pick(text: str, known, option: str) -> list[str]:
-    picked = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [p for p in picked if p not in known]
-    if unknown or not picked:
-        raise SystemExit(f"error: {option}: unknown {unknown or text!r}; known: {', '.join(known)}")
-    return picked
 
 
 def not_run(job: dict[str, Any], cuda: bool) -> str | None:
