@@ -43,13 +43,13 @@ class Trainer:
         self.model, self.ref_model = model, None
 
 
-def trl_model(device: torch.device):
+def trl_model(device: torch.device, tied: bool = False):
     """The tiny Llama with TRL's fused head (as GRPOTrainer adds it), served by fusetune."""
     from trl.trainer.utils import add_fused_lm_head
 
     import fusetune
 
-    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False).to(device)
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=tied).to(device)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     trainer = Trainer(model)
     # the head alone: the backbone's ops are tested elsewhere (and slow in the interpreter)
@@ -182,3 +182,98 @@ def test_trl_head_under_fsdp2_matches_one_process(tmp_path):
             assert_close(f"{label} grad {name}", got["grads"][name], param.grad, 1e-5)
     warned = found["dtensor_warning"]
     assert len(warned) == 1 and "LlamaForCausalLM.lm_head" in warned[0], warned
+
+
+# ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
+
+
+def zero3_worker(rank: int, port: int, results: str) -> None:
+    """TRL's fused head on a ZeRO-3 engine (every parameter partitioned), the head untied or
+    tied to the embedding: per-token outputs, full gradients, fusetune's calls, the head's own
+    calls, and no fallback warning."""
+    import os
+
+    import deepspeed
+
+    import fusetune
+    from fusetune.integrations.trl import FusedHead
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH // WORLD,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    found = {}
+    for tied in (False, True):
+        model, trainer = trl_model(device, tied)
+        names = [name for name, _ in model.named_parameters()]
+        head_calls = []
+        model.lm_head.register_forward_pre_hook(lambda *_, calls=head_calls: calls.append(1))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)  # fmt: skip
+        served = FusedHead.calls
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no fallback, no warning
+            warnings.filterwarnings("ignore", ".*TensorFloat32.*|.*deprecated.*")
+            total, log_probs, entropy = 0.0, [], []
+            for ids, labels in rows(device, rank, WORLD):
+                out = engine(input_ids=ids, labels=labels, fused_lm_head=True)
+                weights = torch.linspace(0.5, 1.5, SEQ - 1, device=ids.device)
+                total = total + (out.log_probs * weights).sum() + 0.3 * out.entropy.sum()
+                log_probs.append(out.log_probs.detach().cpu())
+                entropy.append(out.entropy.detach().cpu())
+            engine.backward(total * WORLD)  # ZeRO averages the gradients over ranks
+        grads = {n: deepspeed.utils.safe_get_full_grad(p) for n, p in model.named_parameters()}
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, (torch.cat(log_probs), torch.cat(entropy)))
+        found[tied] = dict(
+            log_probs=torch.cat([g[0] for g in gathered]).view(WORLD, CALLS, -1, SEQ - 1),
+            entropy=torch.cat([g[1] for g in gathered]).view(WORLD, CALLS, -1, SEQ - 1),
+            grads={n: g.detach().cpu() for n, g in grads.items() if g is not None},
+            names=names,
+            served=FusedHead.calls - served,
+            head_calls=len(head_calls),
+        )
+        fusetune.revert(trainer)
+    if rank == 0:
+        torch.save(found, results)
+    dist.destroy_process_group()
+
+
+def test_trl_head_under_zero3_matches_one_process(tmp_path):
+    """ZeRO-3 partitions the head (or the embedding it is tied to): fusetune's kernel runs
+    inside the head's own call on every TRL head call (ZeRO's hooks gather the weight and
+    reduce its gradient), and the outputs and full gradients equal one process's."""
+    pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
+    import fusetune
+    from fusetune.integrations.trl import FusedHead
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    want = {}
+    for tied in (False, True):
+        model, trainer = trl_model(device, tied)
+        served = FusedHead.calls
+        log_probs, entropy = step(model, rows(device))
+        assert FusedHead.calls - served == CALLS
+        fusetune.revert(trainer)
+        want[tied] = (log_probs, entropy, {n: p.grad for n, p in model.named_parameters()})
+    results = tmp_path / "rank0.pt"
+    mp.spawn(zero3_worker, args=(29533, str(results)), nprocs=WORLD, join=True)
+    found = torch.load(results, weights_only=False)
+    for tied in (False, True):
+        got, label = found[tied], f"tied={tied}"
+        want_log_probs, want_entropy, want_grads = want[tied]
+        assert got["served"] == CALLS and got["head_calls"] == CALLS, (label, got["served"])
+        want_log_probs = want_log_probs.view(CALLS, WORLD, -1, SEQ - 1).transpose(0, 1)
+        want_entropy = want_entropy.view(CALLS, WORLD, -1, SEQ - 1).transpose(0, 1)
+        assert_close(f"{label} log-probs", got["log_probs"], want_log_probs, 1e-5)
+        assert_close(f"{label} entropy", got["entropy"], want_entropy, 1e-5)
+        assert got["grads"].keys() == want_grads.keys(), label
+        for name, grad in want_grads.items():
+            assert_close(f"{label} grad {name}", got["grads"][name], grad.cpu(), 1e-5)

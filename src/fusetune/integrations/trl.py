@@ -43,10 +43,11 @@ too: at 2 gloo ranks the head's gradient was off by its own size, the rest exact
 :func:`apply` wraps TRL's fused forward so that such a head runs fusetune's kernel inside the
 head module's own call (:func:`run_inside`): FSDP's hooks gather the weight once for the call
 (the kernel tiles rows over the whole weight, no gather per chunk), free it as configured, and
-reduce-scatter its gradient. A DTensor head outside an FSDP2 module and a DeepSpeed ZeRO-3 head
-warn once (naming the module and the reason): the first is served on TRL's gathered weight, the
-second by TRL's own kernel (its gather context holds the weight for the forward only, and
-fusetune's backward reads it again).
+reduce-scatter its gradient. A head DeepSpeed ZeRO-3 partitions runs the same way: ZeRO's hooks
+gather it for the call and again for the backward, and reduce its gradient (TRL's own gather
+context holds the weight for the forward only, and fusetune's backward reads it again). A
+DTensor head outside an FSDP2 module warns once (naming the module and the reason) and is
+served on TRL's gathered weight.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ class _HeadTicket:
         self.head, self.used = head, False
         self.weight = torch.empty(0, device=device)
         self.bias = None if head.bias is None else torch.empty(0, device=device)
+        status = getattr(head.weight, "ds_status", None)
+        if status is not None:  # ZeRO-3: TRL's gather skips what says it is available
+            for marker in (self.weight, self.bias):
+                if marker is not None:
+                    marker.ds_status = type(status).AVAILABLE
 
 
 def _fsdp_module() -> type | tuple:
@@ -170,9 +176,10 @@ def _wrap_trl_forward(model: torch.nn.Module) -> None:
     def forward(*args, fused_lm_head: bool = False, **kwargs):
         head = model.get_output_embeddings() if fused_lm_head else None
         weight = getattr(head, "weight", None)
-        if head is None or weight is None or not _is_dtensor(weight):
+        partitioned = hasattr(weight, "ds_id")  # ZeRO-3: gathered inside the head's own call
+        if head is None or weight is None or not (partitioned or _is_dtensor(weight)):
             return trl_forward(*args, fused_lm_head=fused_lm_head, **kwargs)
-        if not isinstance(head, _fsdp_module()):
+        if not partitioned and not isinstance(head, _fsdp_module()):
             _warn_once(f"{type(model).__name__}.lm_head's weight is a DTensor outside an FSDP2 "
                        "module of its own: TRL gathers it with full_tensor(), whose gradient is "
                        "not reduced over ranks; fusetune serves the gathered weight")  # fmt: skip
