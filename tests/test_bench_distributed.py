@@ -124,3 +124,16 @@ def test_command_on_two_ranks(tmp_path, capsys):
         assert got["world"] == got["nproc"]
     assert rows[1]["efficiency"] > 0 and code == 0
     assert "fusetune" in printed and "2/2" in printed
+
+
+def test_profile_lines_show_cuda_time_against_the_wall_step():
+    """--profile: the CUDA time by kind is printed beside the step's wall time (the gap is
+    host time), and the top kernels under it."""
+    from fusetune.bench.cases_e2e import profile_lines
+
+    profile = {"kinds_ms": {"matmul": 60.0, "triton": 15.5}, "wall_ms": 171.0,
+               "top": [{"ms": 20.0, "calls": 16, "kernel": "nvjet_gemm"}]}  # fmt: skip
+    row = {"shape": "llama-3.2-1b", "batch": 4, "variant": "fusetune x2", "profile": profile}
+    lines = profile_lines(row)
+    assert "CUDA 75.5 ms in a 171.0 ms step" in lines[0] and "matmul 60.0" in lines[0]
+    assert "nvjet_gemm" in lines[1] and profile_lines({**row, "profile": None}) == []

@@ -49,7 +49,7 @@ case "${1:-tests}" in
     nvidia-smi -L | tee "$OUT/gpus.txt"
     llama=(--shapes llama-3.2-1b)
     bench_step fsdp2-full-llama 200 --engine fsdp2 --full "${llama[@]}"
-    bench_step fsdp2-lora-llama 200 --engine fsdp2 --lora "${llama[@]}"
+    bench_step fsdp2-lora-llama 200 --engine fsdp2 --lora --profile "${llama[@]}"
     bench_step zero3-full-llama 260 --engine zero3 --full "${llama[@]}"
     bench_step fsdp2-qwen 300 --engine fsdp2 --full --lora --shapes qwen2.5-0.5b
     bench_step zero3-lora-llama 260 --engine zero3 --lora "${llama[@]}"

@@ -365,7 +365,8 @@ def measure(
                 del input_ids, step
                 result.update(_verify_max_batch(model, estimate, seq_len, vocab, device, base))
     if profile and cuda:
-        result["profile"] = _profile(make_step(model, _ids(batch, seq_len, vocab, device)))
+        result["profile"] = profile_step(make_step(model, _ids(batch, seq_len, vocab, device)))
+        result["profile"]["wall_ms"] = result.get("step_ms")
     return result
 
 
@@ -402,7 +403,7 @@ def _verify_max_batch(model, estimate: int, seq_len: int, vocab: int, device, ba
     return {"max_batch_verified": None, "max_batch_oom_at": tried}
 
 
-def _profile(step: Callable[[], torch.Tensor], top: int = 15) -> dict[str, Any]:
+def profile_step(step: Callable[[], torch.Tensor], top: int = 15) -> dict[str, Any]:
     """CUDA time of one step: per kind of kernel (matmul, attention, optimizer, PyTorch
     elementwise, Triton, copies) and the ``top`` kernels by name."""
     from torch.profiler import ProfilerActivity, profile
@@ -692,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         f"e2e: one LoRA step (fwd + bwd + AdamW), r={RANK} on all linear layers, bf16 base, "
         f"fp32 adapters, sdpa | {where} | {_versions()} | {env['date']}"
     )
-    profiles = [line for row in rows for line in _profile_lines(row)]
+    profiles = [line for row in rows for line in profile_lines(row)]
     text = "\n".join([format_e2e(rows), title, *profiles])
     print(text)
     save(rows)
@@ -702,12 +703,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _profile_lines(row: dict[str, Any]) -> list[str]:
+def profile_lines(row: dict[str, Any]) -> list[str]:
     profile = row.get("profile")
     if not profile:
         return []
     kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in profile["kinds_ms"].items())
-    lines = [f"profile {row['shape']} b{row['batch']} {row['variant']}: CUDA ms by kind: {kinds}"]
+    total = f"CUDA {sum(profile['kinds_ms'].values()):.1f} ms"
+    if profile.get("wall_ms") is not None:  # the rest of the step is host time or gaps
+        total += f" in a {profile['wall_ms']:.1f} ms step"
+    lines = [f"profile {row['shape']} b{row['batch']} {row['variant']}: {total}; by kind: {kinds}"]
     lines += [f"  {p['ms']:8.2f} {p['calls']:5d}  {p['kernel']}" for p in profile["top"]]
     return lines
 

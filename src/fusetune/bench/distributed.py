@@ -41,6 +41,7 @@ from fusetune.bench.cases_e2e import (
     TINY_BATCH,
     TINY_SEQ_LEN,
     parse_choices,
+    profile_lines,
 )
 
 VARIANTS = ("hf", "liger", "fusetune")
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="per launch, s")
     parser.add_argument("--no-single", action="store_true", help="skip the 1-GPU launches")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA time by kernel kind of one more step (rank 0's) beside its "
+                             "wall time")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
     parser.add_argument("--out", default="bench_results", help="folder for results and logs")
     return parser
@@ -89,7 +93,7 @@ def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
         seq_len = args.seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
         job = dict(engine=engine, mode=mode, shape=key, variant=variant, batch=batch)
         found.append({**job, "seq_len": seq_len, "steps": args.steps, "warmup": args.warmup,
-                      "tiny": tiny})  # fmt: skip
+                      "tiny": tiny, "profile": args.profile})  # fmt: skip
     return found
 
 
@@ -367,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run_all(args, save)
     print(format_table(rows), flush=True)
+    for row in rows:  # where the step's time goes: CUDA kinds against the wall step
+        for line in profile_lines({**row, "variant": f"{_variant_name(row)} x{row['nproc']}"}):
+            print(line, flush=True)
     bad = [r for r in rows if r["variant"] == "fusetune" and not_fused(r)]
     return 1 if bad else 0
 

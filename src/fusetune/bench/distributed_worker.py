@@ -32,7 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusetune.bench.cases_e2e import ALPHA, RANK, SHAPES, _targets, apply_liger, model_config
+from fusetune.bench.cases_e2e import (
+    ALPHA,
+    RANK,
+    SHAPES,
+    _targets,
+    apply_liger,
+    model_config,
+    profile_step,
+)
 
 TAG = "RESULT "
 LR = 1e-5
@@ -183,6 +191,10 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     ids = torch.randint(0, vocab, (job["batch"], job["seq_len"]), generator=generator)
     times, fallbacks = time_steps(step, ids.to(device), job["warmup"], job["steps"])
     median = statistics.median(times)
+    profile = None
+    if job.get("profile") and device.type == "cuda":  # every rank steps (collectives)
+        profile = profile_step(lambda: step(ids.to(device)))
+        profile["wall_ms"] = median
     peak = None
     if device.type == "cuda":
         most = torch.tensor(float(torch.cuda.max_memory_allocated(device) - base), device=device)
@@ -193,7 +205,7 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
                 step_ms_min=min(times), step_ms_max=max(times),
                 tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,
                 fused_calls=len(calls), steps=job["warmup"] + job["steps"],
-                fallback_warnings=fallbacks)  # fmt: skip
+                fallback_warnings=fallbacks, profile=profile)  # fmt: skip
 
 
 def main(spec: str) -> int:
