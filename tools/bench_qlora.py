@@ -11,6 +11,8 @@ fused AdamW, sequence 2048: tokens/s and peak GiB. One variant per process:
 fusetune, Unsloth's own "unsloth" mode (layer inputs offloaded to host memory) for unsloth;
 ``--gradient-checkpointing offload``: fusetune's ``enable_offloaded_checkpointing`` (layer inputs
 in pinned host memory, as Unsloth's mode) for hf and fusetune.
+``--compile``: fusetune with its decoder stack compiled (``fusetune.compile_layers``, as bench e2e's
+``hf+peft+fusetune+compile``; Unsloth compiles its decoder layers too); not with checkpointing.
 ``--largest-batch``: after the timed steps, the largest batch that fits: a line through the peaks
 at the batch and at twice it (or the one peak) gives an estimate, then one step at each try,
 5 % smaller after every out-of-memory error.
@@ -149,18 +151,26 @@ def main() -> None:
         "--gradient-checkpointing", nargs="?", const="on", choices=["on", "offload"], default=None
     )
     parser.add_argument("--largest-batch", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="fusetune's stack compiled")
     args = parser.parse_args()
+    if args.compile and (args.variant != "fusetune" or args.gradient_checkpointing):
+        parser.error("--compile: the fusetune variant, without --gradient-checkpointing")
     shape = SHAPES[args.shape]
     batch = args.batch or shape.batch
     model = build(shape, args.variant, args.gradient_checkpointing)
+    if args.compile:
+        import fusetune
+
+        fusetune.compile_layers(model)
     fixed = torch.cuda.memory_allocated() / GIB
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (batch, SEQ_LEN), device="cuda")
     step = cases_e2e.make_step(model, ids)
-    times = cases_e2e._time_steps(step, torch.device("cuda"), 2 + args.steps)[2:]
+    untimed = 4 if args.compile else 2  # the compiled stack's first steps compile
+    times = cases_e2e._time_steps(step, torch.device("cuda"), untimed + args.steps)[untimed:]
     median = statistics.median(times)
     result = dict(
-        shape=shape.name, variant=args.variant, batch=batch,
+        shape=shape.name, variant=args.variant + ("+compile" if args.compile else ""), batch=batch,
         gradient_checkpointing=args.gradient_checkpointing, step_ms=median, min_ms=min(times),
         max_ms=max(times), tokens_per_s=batch * SEQ_LEN / median * 1e3,
         peak_gib=torch.cuda.max_memory_allocated() / GIB, weights_gib=fixed,

@@ -57,6 +57,7 @@ echo "== c) QLoRA 1B b4" | tee -a "$OUT/qlora.log"
 for variant in hf fusetune unsloth; do
   qlora llama-3.2-1b 4 "$variant" 70
 done
+qlora llama-3.2-1b 4 fusetune 120 --compile # Unsloth compiles its decoder layers too
 echo "== e) QLoRA 8B b2, fusetune with offloaded checkpointing (if time is left)" | tee -a "$OUT/qlora.log"
 ((BUDGET - SECONDS > 60)) && qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
 echo "done in $SECONDS s" | tee -a "$OUT/qlora.log"
