@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import fusetune
 from fusetune.integrations import _transformers_forwards as forwards
 from fusetune.integrations import peft as peft_integration
-from harness import assert_close
+from harness import assert_close, free_port
 from test_transformers import ADAM_EPS, LR, tiny_model
 
 pytest.importorskip("transformers")
@@ -216,31 +216,29 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def zero3_runs(tmp_path_factory) -> dict:
-    pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
-    results = tmp_path_factory.mktemp("zero3") / "rank0.pt"
-    mp.spawn(zero3_worker, args=(29517, str(results)), nprocs=WORLD, join=True)
-    return torch.load(results)
-
-
 @pytest.mark.skipif(
     torch.cuda.device_count() == 1, reason="2 ranks need 2 GPUs (NCCL) or none (gloo)"
 )
-@pytest.mark.parametrize("case", ZERO3_CASES)
-def test_zero3_matches_unpatched_zero3(case, zero3_runs):
+def test_zero3_matches_unpatched_zero3(tmp_path):
     """ZeRO-3 partitions every parameter (the lm_head's own weight, or the embedding it is
     tied to): the fused loss runs inside the head's call on every step, and the run equals
     transformers' own under the same engine (same gradient reduction). With PEFT LoRA only
-    the adapters move; on every linear layer, fusetune's fused LoRA groups serve them."""
-    if case not in zero3_runs:
-        pytest.skip("peft is not installed")
-    want, got = zero3_runs[case]["hf"], zero3_runs[case]["fusetune"]
-    assert "error" not in got, got["error"]
-    assert want["calls"] == 0 and got["calls"] == STEPS, (want["calls"], got["calls"])
-    assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-5)
+    the adapters move; on every linear layer, fusetune's fused LoRA groups serve them. One
+    test, one spawn for every case (a spawn per test would repeat it on every xdist worker)."""
+    pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
+    results = tmp_path / "rank0.pt"
+    mp.spawn(zero3_worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
+    runs = torch.load(results)
+    for case in ZERO3_CASES:
+        check_zero3_case(case, runs[case]["hf"], runs[case]["fusetune"])
+
+
+def check_zero3_case(case: str, want: dict, got: dict) -> None:
+    assert "error" not in got, (case, got["error"])
+    assert want["calls"] == 0 and got["calls"] == STEPS, (case, want["calls"], got["calls"])
+    assert_close(f"{case} losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-5)
     for name, param in want["params"].items():
-        assert_close(f"param {name}", got["params"][name], param, 1e-5)
+        assert_close(f"{case} param {name}", got["params"][name], param, 1e-5)
     layers, steps = variant_model(case).config.num_hidden_layers, STEPS
     if case == "lora-all":  # the q/k/v and MLP groups cannot read partitioned neighbours:
         # each says so once, and every projection runs lora_linear in its own call

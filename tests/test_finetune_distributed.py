@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from fusetune.finetune import main
 from fusetune.finetune.output import MARKER
-from harness import assert_close
+from harness import assert_close, free_port
 
 pytest.importorskip("peft")
 WORLD = 2
@@ -38,7 +38,7 @@ def test_two_ranks_match_one_process(tmp_path):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert main([*ARGV, "--batch-size", str(WORLD), "--device", device, "--output", str(one)]) == 0
     two = tmp_path / "two"
-    mp.spawn(rank_main, args=(29533, str(two)), nprocs=WORLD, join=True)
+    mp.spawn(rank_main, args=(free_port(), str(two)), nprocs=WORLD, join=True)
     want = json.loads((one / MARKER).read_text())["runs"][0]
     got = json.loads((two / MARKER).read_text())["runs"][0]
     assert "2 ranks" in got["label"]

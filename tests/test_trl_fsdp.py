@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import assert_close
+from harness import assert_close, free_port
 from test_transformers import VOCAB, tiny_model
 
 pytest.importorskip("trl")
@@ -264,7 +264,7 @@ def test_trl_head_under_zero3_matches_one_process(tmp_path):
         fusetune.revert(trainer)
         want[tied] = (log_probs, entropy, {n: p.grad for n, p in model.named_parameters()})
     results = tmp_path / "rank0.pt"
-    mp.spawn(zero3_worker, args=(29533, str(results)), nprocs=WORLD, join=True)
+    mp.spawn(zero3_worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
     found = torch.load(results, weights_only=False)
     for tied in (False, True):
         got, label = found[tied], f"tied={tied}"
