@@ -136,6 +136,30 @@ def test_run_inside_keeps_an_instance_forward():
     assert "forward" not in plain.__dict__
 
 
+def zero3_setup(rank: int, port: int) -> torch.device:
+    """Join WORLD ranks as DeepSpeed does (gloo on the CPU through its CPU accelerator, NCCL
+    on 2 GPUs); this rank's device."""
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    return device
+
+
+def zero3_config(micro_batch: int, **adam: float) -> dict:
+    """ZeRO-3 with every parameter partitioned (by default ZeRO-3 keeps those under 1e5
+    elements whole on every rank: all of a tiny model's but the embedding), torch's AdamW."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {**adam, "torch_adam": True}},
+    }
+
+
 def zero3_run(model, rank: int, device, patch: bool) -> dict:
     """STEPS ZeRO-3 steps of ``model`` (fusetune applied or not): losses, gathered
     parameters and the fused-loss calls."""
@@ -148,13 +172,7 @@ def zero3_run(model, rank: int, device, patch: bool) -> dict:
     forwards.linear_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
     fused_lora = peft_integration.lora_linear_validated
     peft_integration.lora_linear_validated = lambda *a: lora_calls.append(1) or fused_lora(*a)
-    config = {
-        "train_micro_batch_size_per_gpu": BATCH // WORLD,
-        # every parameter partitioned (by default ZeRO-3 keeps those under 1e5 elements whole
-        # on every rank: all of a tiny model's but the embedding)
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "torch_adam": True}},
-    }
+    config = zero3_config(BATCH // WORLD, lr=LR, eps=ADAM_EPS)
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
     losses = []
@@ -189,14 +207,7 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
     """Each case under ZeRO-3 on this rank, transformers' run then fusetune's:
     {case: {"hf": run, "fusetune": run}}. Gloo on the CPU (DeepSpeed's CPU accelerator), NCCL
     on 2 GPUs."""
-    import deepspeed
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
-    if NCCL:
-        torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend=BACKEND)
+    device = zero3_setup(rank, port)
     runs = {}
     for case in ZERO3_CASES:
         model = variant_model(case)

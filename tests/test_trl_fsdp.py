@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness import assert_close, free_port
+from test_distributed import zero3_config, zero3_setup
 from test_transformers import VOCAB, tiny_model
 
 pytest.importorskip("trl")
@@ -191,28 +192,16 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
     """TRL's fused head on a ZeRO-3 engine (every parameter partitioned), the head untied or
     tied to the embedding: per-token outputs, full gradients, fusetune's calls, the head's own
     calls, and no fallback warning."""
-    import os
-
     import deepspeed
 
     import fusetune
     from fusetune.integrations.trl import FusedHead
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
-    if NCCL:
-        torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend=BACKEND)
-    config = {
-        "train_micro_batch_size_per_gpu": BATCH // WORLD,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    }
+    device = zero3_setup(rank, port)
+    config = zero3_config(BATCH // WORLD, lr=1e-3)
     found = {}
     for tied in (False, True):
         model, trainer = trl_model(device, tied)
-        names = [name for name, _ in model.named_parameters()]
         head_calls = []
         model.lm_head.register_forward_pre_hook(lambda *_, calls=head_calls: calls.append(1))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -236,7 +225,6 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
             log_probs=torch.cat([g[0] for g in gathered]).view(WORLD, CALLS, -1, SEQ - 1),
             entropy=torch.cat([g[1] for g in gathered]).view(WORLD, CALLS, -1, SEQ - 1),
             grads={n: g.detach().cpu() for n, g in grads.items() if g is not None},
-            names=names,
             served=FusedHead.calls - served,
             head_calls=len(head_calls),
         )

@@ -41,6 +41,7 @@ from fusetune.bench.cases_e2e import (
     model_config,
     profile_step,
 )
+from fusetune.bench.harness import synchronize
 
 TAG = "RESULT "
 LR = 1e-5
@@ -150,21 +151,16 @@ def count_fused_calls() -> list[int]:
     return calls
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(step, ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], list[str]]:
     """Step times (ms) after ``warmup`` untimed steps, and fusetune's fallback warnings."""
     times = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for index in range(warmup + steps):
-            sync(ids.device)
+            synchronize(ids.device)
             start = time.perf_counter()
             step(ids)
-            sync(ids.device)
+            synchronize(ids.device)
             if index >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
     messages = sorted({str(w.message) for w in caught})
