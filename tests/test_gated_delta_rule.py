@@ -209,9 +209,15 @@ def test_varlen_matches_per_sequence_runs(algo, dtype, cu_dtype):
     crosses a boundary; one initial and one final state per sequence."""
     offsets = [0, 5, 5, 17, 18, 30]
     inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
+    check_packed(inputs, offsets, dtype, cu_dtype, mode=algo)
+
+
+def check_packed(inputs, offsets, dtype, cu_dtype=torch.int64, **options):
+    """fusetune on packed sequences (``options``: e.g. mode) against the oracle run on each
+    sequence alone, in ``dtype``; states in fp32."""
     cu = torch.tensor(offsets, dtype=cu_dtype, device=DEVICE)
     check_op(
-        with_state(fusetune.gated_delta_rule, mode=algo, cu_seqlens=cu),
+        with_state(fusetune.gated_delta_rule, cu_seqlens=cu, **options),
         per_sequence(with_state(reference_op), offsets, ("h0",)),
         inputs,
         dtype=dtype,
@@ -404,16 +410,7 @@ def test_split_varlen(monkeypatch, mode):
     monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     offsets = [0, 5, 5, 17, 18, 30]
     inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
-    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
-    check_op(
-        with_state(fusetune.gated_delta_rule, cu_seqlens=cu),
-        per_sequence(with_state(reference_op), offsets, ("h0",)),
-        inputs,
-        dtype=torch.bfloat16,
-        cast=list(inputs),
-        grad=list(inputs),
-        output_dtypes=[torch.bfloat16, torch.float32],
-    )
+    check_packed(inputs, offsets, torch.bfloat16, torch.int32)
 
 
 @pytest.mark.parametrize("mode", SPLIT_MODES)
@@ -505,16 +502,7 @@ def test_strong_decays_gpu(dtype):
 def test_packed_long_sequences_gpu():
     offsets = [0, 700, 1300, 2000]
     inputs = make_inputs(batch=1, seq_len=2000, value_heads=4, key_dim=64, value_dim=100, n_seq=3)
-    cu = torch.tensor(offsets, device=DEVICE)
-    check_op(
-        with_state(fusetune.gated_delta_rule, cu_seqlens=cu),
-        per_sequence(with_state(reference_op), offsets, ("h0",)),
-        inputs,
-        dtype=torch.float16,
-        cast=list(inputs),
-        grad=list(inputs),
-        output_dtypes=[torch.float16, torch.float32],
-    )
+    check_packed(inputs, offsets, torch.float16)
 
 
 # ----------------------------------------------------------------------------- bad input
