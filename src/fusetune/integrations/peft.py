@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fusetune.integrations import _class_forward
 from fusetune.ops.lora import (
     lora_linear_validated,
     lora_mlp_validated,
@@ -61,11 +62,19 @@ _PARTITIONED = (
 
 @dataclass
 class _Patch:
-    """What ``unpatch`` restores: the module's instance-level forward before patching (None
-    when it used its class's)."""
+    """A patched module's own arguments, read by the forward its fused class has (so that every
+    layer runs one function: Dynamo then guards the class, not a per-module object, and
+    compiling layer by layer compiles one graph for all of them), and what ``unpatch``
+    restores: the class and the instance-level forward before patching (None when it used its
+    class's)."""
 
+    cls: type
     original: Callable | None
     had_instance_forward: bool
+    name: str  # the module's name in the model, for warnings
+    activation: str | None = None  # an MLP's lora_mlp activation
+    group: _QKVGroup | None = None  # a q/k/v projection's group, and its index in it
+    index: int = 0
     warned: set[str] = field(default_factory=set)
     # an MLP's gate, up and down projections last checked together (by identity)
     checked: tuple[Projection, ...] | None = None
@@ -282,26 +291,51 @@ def mlp_activation(act_fn: Callable) -> str | None:
 # ----------------------------------------------------------------------------- patched forwards
 
 
+def _fused_linear_forward(self, x, *args, **kwargs):
+    """The forward of a patched LoRA linear layer's class: lora_linear, or PEFT's forward
+    where the layer does not qualify now."""
+    patch = getattr(self, _PATCH, None)
+    if patch is None:  # unpatched, its class kept: see _class_forward.restore
+        return _class_forward.base_forward(self)(x, *args, **kwargs)
+    return _linear_forward(self, patch, x, *args, **kwargs)
+
+
+def _fused_mlp_forward(self, x, *args, **kwargs):
+    """The forward of a patched MLP's class: lora_mlp (gate, up and down in one op)."""
+    patch = getattr(self, _PATCH, None)
+    if patch is None:
+        return _class_forward.base_forward(self)(x, *args, **kwargs)
+    return _mlp_forward(self, patch, x, *args, **kwargs)
+
+
+def _fused_qkv_forward(self, x, *args, **kwargs):
+    """The forward of a patched q, k or v projection's class: its group's (lora_qkv)."""
+    patch = getattr(self, _PATCH, None)
+    if patch is None:
+        return _class_forward.base_forward(self)(x, *args, **kwargs)
+    return patch.group.forward(patch.index, x, *args, **kwargs)
+
+
 def _original_forward(module: torch.nn.Module, patch: _Patch) -> Callable:
     if patch.had_instance_forward:
         return patch.original
-    return type(module).forward.__get__(module)
+    return patch.cls.forward.__get__(module)
 
 
-def _linear_forward(layer, name, x, *args, **kwargs):
+def _linear_forward(layer, patch: _Patch, x, *args, **kwargs):
     if args or kwargs:
         reason, projection = "extra forward arguments (e.g. adapter_names)", None
     else:
         reason, projection = _route(layer)
     if reason is not None:
-        return _call_original(layer, getattr(layer, _PATCH), name, reason, x, *args, **kwargs)
+        return _call_original(layer, patch, reason, x, *args, **kwargs)
     return lora_linear_validated(x, projection)
 
 
-def _call_original(module, patch: _Patch, name: str, reason: str, *args, **kwargs):
+def _call_original(module, patch: _Patch, reason: str, *args, **kwargs):
     if reason not in _QUIET_REASONS and reason not in patch.warned:
         patch.warned.add(reason)
-        _warn(name, reason)
+        _warn(patch.name, reason)
     return _original_forward(module, patch)(*args, **kwargs)
 
 
@@ -329,19 +363,18 @@ def _zero3_partitioned(layers) -> bool:
     return False
 
 
-def _mlp_forward(mlp, name, activation, x, *args, **kwargs):
-    patch = getattr(mlp, _PATCH)
+def _mlp_forward(mlp, patch: _Patch, x, *args, **kwargs):
     modules = mlp._modules
     layers = (modules["gate_proj"], modules["up_proj"], modules["down_proj"])
     reason, projections = _group_route(layers, args or kwargs)
     if reason is not None:
-        return _call_original(mlp, patch, name, reason, x, *args, **kwargs)
+        return _call_original(mlp, patch, reason, x, *args, **kwargs)
     if torch.compiler.is_compiling():
-        check_mlp_projections(list(projections), activation)
+        check_mlp_projections(list(projections), patch.activation)
     elif not _same(patch.checked, projections):
-        check_mlp_projections(list(projections), activation)
+        check_mlp_projections(list(projections), patch.activation)
         patch.checked = projections
-    return lora_mlp_validated(x, list(projections), activation)
+    return lora_mlp_validated(x, list(projections), patch.activation)
 
 
 class _QKVGroup:
@@ -354,8 +387,9 @@ class _QKVGroup:
         self.checked: tuple[Projection, ...] | None = None  # last checked together
         self.warned = False
 
-    def forward(self, index: int, name: str, x, *args, **kwargs):
+    def forward(self, index: int, x, *args, **kwargs):
         layer = self.layers[index]
+        patch = getattr(layer, _PATCH)
         if index > 0:
             pending, self.pending = self.pending, None
             if pending is not None and pending[0] is x and not args and not kwargs:
@@ -363,14 +397,14 @@ class _QKVGroup:
                 if index == 1:
                     self.pending = [x, None, pending[2]]
                 return result
-            return _linear_forward(layer, name, x, *args, **kwargs)
+            return _linear_forward(layer, patch, x, *args, **kwargs)
         self.pending = None
         reason, projections = _group_route(self.layers, args or kwargs)
         if reason is not None:
             if reason == _PARTITIONED and not self.warned:
                 self.warned = True
-                _warn(name.rsplit(".", 1)[0] + ".q_proj/k_proj/v_proj", reason)
-            return _linear_forward(layer, name, x, *args, **kwargs)
+                _warn(patch.name.rsplit(".", 1)[0] + ".q_proj/k_proj/v_proj", reason)
+            return _linear_forward(layer, patch, x, *args, **kwargs)
         if torch.compiler.is_compiling():
             check_qkv_projections(list(projections))
         elif not _same(self.checked, projections):
@@ -392,10 +426,11 @@ def _warn(name: str, reason: str) -> None:
     )
 
 
-def _install(module: torch.nn.Module, forward: Callable) -> None:
-    had_instance = "forward" in module.__dict__
-    setattr(module, _PATCH, _Patch(module.__dict__.get("forward"), had_instance))
-    module.forward = forward
+def _install(module: torch.nn.Module, forward: Callable, name: str, **arguments) -> None:
+    """``forward`` (one of the ``_fused_*_forward`` functions) becomes ``module``'s through its
+    class (:mod:`fusetune.integrations._class_forward`), its arguments on the module."""
+    cls, original, had_instance = _class_forward.install(module, forward)
+    setattr(module, _PATCH, _Patch(cls, original, had_instance, name, **arguments))
 
 
 def _skip(module: torch.nn.Module, name: str, reason: str) -> None:
@@ -428,7 +463,7 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
         if reason is not None:
             _skip(module, name, reason)
         else:
-            _install(module, functools.partial(_linear_forward, module, name))
+            _install(module, _fused_linear_forward, name)
     return model
 
 
@@ -463,7 +498,7 @@ def _patch_mlp(name: str, mlp: torch.nn.Module) -> None:
         return
     # the children are patched one by one as well: where the group cannot run (ZeRO-3,
     # extra arguments) the MLP's own forward calls them
-    _install(mlp, functools.partial(_mlp_forward, mlp, name, activation))
+    _install(mlp, _fused_mlp_forward, name, activation=activation)
 
 
 def _patch_qkv(name: str, attention: torch.nn.Module, handled: set[str]) -> None:
@@ -477,7 +512,7 @@ def _patch_qkv(name: str, attention: torch.nn.Module, handled: set[str]) -> None
         zip(("q_proj", "k_proj", "v_proj"), layers, strict=True)
     ):
         child = f"{name}.{suffix}" if name else suffix
-        _install(layer, functools.partial(group.forward, index, child))
+        _install(layer, _fused_qkv_forward, child, group=group, index=index)
         handled.add(child)
 
 
@@ -487,10 +522,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         patch = module.__dict__.pop(_PATCH, None)
         if patch is not None:
-            if patch.had_instance_forward:
-                module.forward = patch.original
-            else:
-                module.__dict__.pop("forward", None)
+            _class_forward.restore(module, patch.cls, patch.original, patch.had_instance_forward)
         module.__dict__.pop(_SKIPPED, None)
         module.__dict__.pop(_ROUTE, None)
     return model
