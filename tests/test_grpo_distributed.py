@@ -13,7 +13,15 @@ Subprocesses without the interpreter switch, as a user runs them (CPU: the refer
 runs only: on CPU ranks (gloo) it would run DDP, so the command stops with the reason (checked
 on the CPU); on 2 GPUs the FSDP2 run is checked against one process as above, with the
 parameters really sharded, TRL's head served by fusetune and a consolidated adapter saved.
-The head's numbers on sharded weights (gradients included) are tests/test_trl_fsdp.py's."""
+The head's numbers on sharded weights (gradients included) are tests/test_trl_fsdp.py's.
+
+``--zero3`` hands the model to DeepSpeed ZeRO-3 (every parameter partitioned). It runs on CPU
+ranks too (DeepSpeed's CPU accelerator, gloo; the command sets accelerate's state up, which
+finds no backend for DeepSpeed without a GPU) and on 2 GPUs (NCCL): the same tests, where
+deepspeed is installed (not a dependency; carried to the GPU machine). Against the same command
+under DDP, sampling as it does (each rank's generator seeded alike under both engines, the
+completions are the same): per-step rewards, losses, KL, entropy and gradient norms agree,
+TRL's head runs through fusetune on every call, and the output is whole."""
 
 from __future__ import annotations
 
@@ -110,3 +118,95 @@ def test_fsdp_on_one_process_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert command.main(["--fsdp"]) == 2
     assert "argument --fsdp: shards over ranks" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
+
+METRICS = ("rewards", "kl", "losses", "entropy", "grad_norms")
+
+
+def records(output) -> list[dict]:
+    return json.loads((output / "fusetune_finetune.json").read_text())["runs"]
+
+
+def zero3_and_ddp(tmp_path, *options: str) -> tuple[list[dict], dict]:
+    """The ZeRO-3 runs (TRL's own, then fusetune's: --compare) and fusetune's DDP run."""
+    pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
+    done = grpo(2, tmp_path / "zero3", *options, "--zero3", "--compare")
+    assert done.stderr.count("2 ranks (DeepSpeed ZeRO-3)") == 1, done.stderr[-2000:]
+    assert done.stdout.count("saved: ") == 1, done.stdout  # rank 0's
+    grpo(2, tmp_path / "ddp", *options)
+    return records(tmp_path / "zero3"), record(tmp_path / "ddp")
+
+
+def check_against_ddp(runs: list[dict], ddp: dict, head_calls: int) -> None:
+    trl_run, fused = runs
+    assert trl_run["fused_head_calls"] == 0 and fused["fused_head_calls"] == head_calls, runs
+    assert fused["partitioned_parameters"] > 0 and ddp["partitioned_parameters"] == 0
+    for run in runs:  # unpatched TRL and fusetune under ZeRO-3 against fusetune under DDP
+        for metric in METRICS:
+            assert run[metric] == pytest.approx(ddp[metric], abs=1e-5), (run["label"], metric)
+        assert run["tokens"] == ddp["tokens"]
+    assert len(set(fused["rewards"])) == 2, fused  # the update moved the policy
+
+
+def assert_weights_close(got: dict, want: dict) -> None:
+    """Saved weights after 2 AdamW steps: Adam divides each gradient by its own size, so the
+    engines' rounding (their reductions sum in another order) moves a near-zero gradient's
+    parameter by up to the learning rate times its relative difference: 1e-4, not 1e-5."""
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, rtol=0, atol=1e-4), name
+
+
+def test_zero3_full_equals_ddp_and_saves_the_whole_model(tmp_path):
+    """Full fine-tuning: ZeRO-3 partitions the head's own weight (trained), which fusetune's
+    head reads inside the head's call; the saved model is gathered whole and loads."""
+    import transformers
+
+    runs, ddp = zero3_and_ddp(tmp_path, "--steps", "2", "--full")
+    check_against_ddp(runs, ddp, head_calls=2)  # a call a step
+    assert runs[1]["partitioned_parameters"] == 21  # every parameter of the tiny Llama
+    models = [
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / run))
+        for run in ("zero3", "ddp")
+    ]
+    assert_weights_close(*(dict(m.named_parameters()) for m in models))
+
+
+def test_zero3_lora_with_reference_equals_ddp_and_saves_the_adapter(tmp_path):
+    """LoRA with a KL term: the policy and the reference (adapters off) each call TRL's head a
+    step; the adapter is gathered whole from the partitions."""
+    from safetensors.torch import load_file
+
+    runs, ddp = zero3_and_ddp(tmp_path, "--steps", "2", "--beta", "0.04")
+    check_against_ddp(runs, ddp, head_calls=4)
+    assert all(kl > 0 for kl in runs[1]["kl"][1:]), runs[1]["kl"]  # the reference is read
+    adapters = [
+        load_file(str(tmp_path / run / "adapter_model.safetensors")) for run in ("zero3", "ddp")
+    ]
+    assert_weights_close(*adapters)
+
+
+def test_zero3_on_one_process_is_a_usage_error(capsys, monkeypatch):
+    from fusetune.grpo import command
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert command.main(["--zero3"]) == 2
+    assert "argument --zero3: partitions over ranks" in capsys.readouterr().err
+
+
+def test_zero3_with_fsdp_is_a_usage_error(capsys):
+    from fusetune.grpo import command
+
+    assert command.main(["--fsdp", "--zero3"]) == 2
+    assert "argument --zero3: not allowed with argument --fsdp" in capsys.readouterr().err
+
+
+def test_zero3_without_deepspeed_says_so(capsys, monkeypatch):
+    from fusetune.grpo import command, zero3
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(zero3, "available", lambda: False)
+    assert command.main(["--zero3"]) == 2
+    assert "argument --zero3: needs DeepSpeed" in capsys.readouterr().err

@@ -36,7 +36,7 @@ from fusetune.finetune.output import MARKER, check_output, checkpoint_folders, s
 from fusetune.finetune.precision import CHOICES as PRECISIONS
 from fusetune.finetune.precision import bf16_supported, choose_precision
 from fusetune.finetune.progress import format_duration, format_memory, peak_memory
-from fusetune.grpo import data, rewards
+from fusetune.grpo import data, rewards, zero3
 from fusetune.integrations.trl import FusedHead
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -88,10 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compare", action="store_true", help="first the same run without fusetune"
     )
-    parser.add_argument("--fsdp", action="store_true",
-                        help="under torchrun / accelerate launch: shard the model with FSDP2 "
-                             "(accelerate's plugin: each decoder layer, then the root) instead "
-                             "of replicating it on every rank")  # fmt: skip
+    sharding = parser.add_mutually_exclusive_group()
+    sharding.add_argument("--fsdp", action="store_true",
+                          help="under torchrun / accelerate launch: shard the model with FSDP2 "
+                               "(accelerate's plugin: each decoder layer, then the root) instead "
+                               "of replicating it on every rank")  # fmt: skip
+    sharding.add_argument("--zero3", action="store_true",
+                          help="under torchrun / accelerate launch: partition the model with "
+                               "DeepSpeed ZeRO-3 (needs deepspeed) instead of replicating it "
+                               "on every rank")  # fmt: skip
     return parser
 
 
@@ -108,6 +113,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.fsdp and world_size() == 1:
         parser.error("argument --fsdp: shards over ranks; run under torchrun --nproc-per-node N "
                      "or accelerate launch")  # fmt: skip
+    if args.zero3 and world_size() == 1:
+        parser.error("argument --zero3: partitions over ranks; run under torchrun "
+                     "--nproc-per-node N or accelerate launch")  # fmt: skip
+    if args.zero3 and not zero3.available():
+        parser.error("argument --zero3: needs DeepSpeed, which is not installed (pip install "
+                     "deepspeed)")  # fmt: skip
     if args.batch_size % world_size():
         parser.error(f"argument --batch-size: {args.batch_size} (the global batch) does not "
                      f"split over {world_size()} ranks")  # fmt: skip
@@ -157,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tiny_tokenizer() if spec.tiny else _hf_tokenizer(spec)
     mode = "full" if args.full else f"LoRA r={args.lora_r} alpha={args.lora_alpha:g}"
     ranks = f"; {world_size()} ranks" if world_size() > 1 else ""
-    ranks += " (FSDP2)" if args.fsdp else ""
+    ranks += " (FSDP2)" if args.fsdp else " (DeepSpeed ZeRO-3)" if args.zero3 else ""
     if main_rank():
         print(f"model: {spec.name} ({spec.family}), {mode}; data: {data_name}, {len(prompts)} "
               f"prompts; rewards: {', '.join(args.reward or rewards.DEFAULT)}; {args.loss_type}, "
@@ -170,15 +181,27 @@ def run(args: argparse.Namespace) -> int:
     fused = train_once(args, spec, precision, tokenizer, prompts, reward_functions, True)
     runs.append(fused)
     trainer = fused.pop("trainer")
-    state = gathered_state(trainer.model) if args.fsdp else None  # every rank takes part
-    if not main_rank():
-        return 0
+    state = None  # every rank takes part in gathering a sharded model's state
+    if args.fsdp:
+        state = gathered_state(trainer.model)
+    elif args.zero3:
+        state = zero3.gathered_state(trainer.model, args.full)
+    try:
+        if main_rank():
+            report(args, spec, trainer, tokenizer, runs, state)
+    finally:
+        if args.zero3:
+            zero3.finish()
+    return 0
+
+
+def report(args, spec, trainer, tokenizer, runs, state: dict | None) -> None:
+    """Rank 0: the output folder, then a summary line a run."""
     saved = save(args, spec, trainer, tokenizer, runs, state)
     for result in runs:
         result.pop("trainer", None)
         print(format_run(result))
     print(f"saved: {saved}")
-    return 0
 
 
 def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fused: bool) -> dict:
@@ -187,6 +210,8 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
     import trl
 
     _release(args.device)
+    if args.zero3:
+        zero3.forget_earlier_config()
     model = models.build(spec, precision.weight_dtype(args.full), args.device, args.seed)
     model = model.requires_grad_(True) if args.full else _add_lora(model, args)
     label = ("TRL + fusetune" if fused else "TRL") + (" (full)" if args.full else " + PEFT")
@@ -200,10 +225,11 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
         lr_scheduler_type="constant", warmup_steps=0, beta=args.beta,
         temperature=args.temperature, loss_type=args.loss_type, seed=args.seed,
         bf16=precision.name == "bf16", fp16=precision.name == "fp16",
-        use_cpu=args.device.type == "cpu", logging_steps=1,
+        use_cpu=args.device.type == "cpu" and not args.zero3,  # zero3.options says why
+        logging_steps=1,
         save_strategy="steps" if saving else "no", save_steps=args.save_every or 500,
         save_total_limit=args.keep_checkpoints,
-        report_to="none", disable_tqdm=True, **fsdp_options(args),
+        report_to="none", disable_tqdm=True, **fsdp_options(args), **zero3.options(args),
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
         model=model, reward_funcs=reward_functions, args=config,
@@ -211,6 +237,8 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
     )  # fmt: skip
     if args.fsdp and not trainer.is_fsdp_enabled:
         raise FinetuneError(unsharded_reason(trainer))
+    if args.zero3:
+        zero3.check_enabled(trainer, args.device)
     if fused:
         fusetune.apply(trainer)
     progress = Progress(args.steps, label, args.device)
@@ -230,9 +258,13 @@ def train_once(args, spec, precision, tokenizer, prompts, reward_functions, fuse
         seconds=time.perf_counter() - start,
         rewards=[e["reward"] for e in logs],
         kl=[e.get("kl", 0.0) for e in logs],
+        losses=[e["loss"] for e in logs],
+        entropy=[e.get("entropy", 0.0) for e in logs],
+        grad_norms=[e.get("grad_norm", 0.0) for e in logs],
         tokens=progress.tokens,
         fused_head_calls=FusedHead.calls - head_calls,  # TRL head calls fusetune served
         sharded_parameters=sharded_parameters(trainer.model),  # FSDP2's DTensors (0: none)
+        partitioned_parameters=zero3.partitioned_parameters(trainer.model),  # ZeRO-3's
         peak_memory=format_memory(memory, kind),
         trainer=trainer,
     )
