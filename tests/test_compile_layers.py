@@ -55,7 +55,7 @@ MAX_GRAPHS = 3
 NORMS = {"llama": 2, "gemma3_text": 6}
 
 
-def lora_model(model_type: str) -> torch.nn.Module:
+def lora_model(model_type: str, fused: bool = True) -> torch.nn.Module:
     extra, attention, layers = FAMILIES[model_type]
     config = transformers.AutoConfig.for_model(
         model_type, **CONFIG, **extra, num_hidden_layers=layers
@@ -70,7 +70,7 @@ def lora_model(model_type: str) -> torch.nn.Module:
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero, which would leave A without gradient
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return fusetune.apply(model)
+    return fusetune.apply(model) if fused else model
 
 
 def batches(count: int, batch: int = 2, seq: int = 8) -> list[tuple[torch.Tensor, ...]]:
@@ -174,6 +174,41 @@ def test_masks_stay_traceable_outside_compiled_stacks():
     want = other(input_ids=ids, attention_mask=mask).logits
     assert_close("logits", compiled(input_ids=ids, attention_mask=mask).logits, want, TOL)
     fusetune.revert(stacked)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    return model.get_base_model().model.layers
+
+
+def test_layers_compiled_one_by_one_share_graphs_as_peft_layers_do():
+    """Each decoder layer compiled on its own (torchtitan's way, what FSDP2 + compile needs):
+    fusetune's layers share their graphs as plain PEFT's do (2: layer 0's input needs no
+    gradient, the others' do), where a forward object per module (fusetune's patches before
+    they went through the class) made Dynamo compile one graph per layer; the same losses and
+    adapters as the eager patched model. Without a KV cache (training needs none): each layer
+    reads its own cache layer's state, which recompiles PEFT's layers too."""
+    data = batches(2)
+    graphs = {}
+    for fused in (False, True):  # plain PEFT first: a live patched model fuses the family's rope
+        torch._dynamo.reset()
+        model = lora_model("llama", fused=fused)
+        model.get_base_model().config.use_cache = False  # a KV cache's layers differ: guards
+        for layer in decoder_layers(model):
+            layer.compile(backend=BACKEND)
+        before = graphs_compiled()
+        losses, params, counts, _ = train(model, data)
+        graphs[fused] = [count - before for count in counts]
+    layers = FAMILIES["llama"][2]
+    assert graphs[False][0] == graphs[False][-1] < layers, graphs  # PEFT: shared, no recompile
+    assert graphs[True][0] == graphs[True][-1] <= graphs[False][0], graphs
+    eager = lora_model("llama")
+    want_losses, want_params, _, _ = train(eager, data)
+    assert_close("per-step losses", losses, want_losses, TOL)
+    assert params.keys() == want_params.keys() and want_params
+    for name, param in want_params.items():
+        assert_close(name, params[name], param, TOL)
+    fusetune.revert(model)
+    fusetune.revert(eager)
 
 
 # ----------------------------------------------------------------------------- finetune --compile

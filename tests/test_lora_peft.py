@@ -4,6 +4,7 @@ integration (fusetune.integrations.peft) on a tiny random-init Llama."""
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -151,7 +152,8 @@ def llama_step(model, tokens, autocast=False):
 )
 def test_tiny_llama_patched_and_unpatched(dtype, autocast, checkpointing):
     """Same loss and adapter gradients through fusetune as through PEFT; unpatch restores
-    PEFT's forwards exactly (same loss bit for bit, no instance forward left behind)."""
+    PEFT's forwards exactly (same loss bit for bit, every module's class back, no instance
+    forward left behind)."""
     model = tiny_llama(dtype)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -159,6 +161,7 @@ def test_tiny_llama_patched_and_unpatched(dtype, autocast, checkpointing):
     tokens = torch.randint(0, 96, (2, 11), device=DEVICE)
     want_loss, want_grads = llama_step(model, tokens, autocast)
     before = {n for n, m in model.named_modules() if "forward" in m.__dict__}
+    classes = {n: type(m) for n, m in model.named_modules()}
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # everything qualifies: no warning
@@ -188,9 +191,38 @@ def test_tiny_llama_patched_and_unpatched(dtype, autocast, checkpointing):
 
     integration.unpatch(model)
     assert {n for n, m in model.named_modules() if "forward" in m.__dict__} == before
+    assert {n: type(m) for n, m in model.named_modules()} == classes
     assert integration.patched(model) == []
     again, _ = llama_step(model, tokens, autocast)
     assert torch.equal(again, want_loss)
+
+
+def test_patched_forwards_are_shared_and_survive_copies_and_pickles():
+    """Every patched module of a kind runs one forward, through its class (no per-module
+    object for Dynamo to guard by identity: compiled layer by layer, the layers share a graph,
+    see test_compile_layers); names and isinstance are PEFT's; a deepcopy and a pickled copy
+    stay patched and compute the same loss; the state dict's keys are unchanged."""
+    model = tiny_llama()
+    keys = list(model.state_dict())
+    integration.apply(model)
+    layers = model.get_base_model().model.layers
+    for kind in ("mlp", "self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj"):
+        first, second = (layer.get_submodule(kind) for layer in layers)
+        assert "forward" not in first.__dict__ and type(first) is type(second), kind
+        assert type(first).__name__ == type(first).__mro__[1].__name__, kind
+    assert isinstance(layers[0].mlp.down_proj, peft.tuners.lora.layer.Linear)
+    assert list(model.state_dict()) == keys
+    tokens = torch.randint(0, 96, (2, 11), device=DEVICE)
+    want, _ = llama_step(model, tokens)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert integration.patched(copied) == integration.patched(model)
+        assert torch.equal(llama_step(copied, tokens)[0], want)
+        integration.unpatch(copied)
+        assert type(copied.get_base_model().model.layers[0].mlp) is type(layers[0].mlp).__base__
+    integration.unpatch(model)
 
 
 @pytest.mark.parametrize(

@@ -460,9 +460,12 @@ def compile_layers(model: torch.nn.Module, **compile_options: object) -> int:
     holds the decoder layers (``model.model`` of a causal LM) becomes one graph. The layers'
     Python (PEFT's LoRA dispatch, fusetune's wrappers, the glue between kernels) then runs
     once at trace time instead of every step; fusetune's kernels stay opaque custom ops in
-    the graph. The stack is compiled whole, not layer by layer: each layer's patched forward
-    is its own object, so per-layer graphs would recompile for every layer. The loss head
-    stays eager (its fused loss is one kernel call already).
+    the graph. The stack is compiled whole, one graph for every layer's Python. Compiling
+    layer by layer (``layer.compile()`` on each, as FSDP2 setups do) works too: the layers share
+    their graphs, as plain PEFT's do (fusetune's LoRA forwards go through the class, not a
+    per-module object; train without a KV cache, ``use_cache=False``, whose per-layer state
+    recompiles any layer). The loss head stays eager (its fused loss is one kernel call
+    already).
 
     Args:
         model: a transformers model, or a PEFT / TRL wrapper around one.
