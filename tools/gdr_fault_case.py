@@ -14,6 +14,8 @@ import torch
 
 import fusetune
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the interpreter
+
 SHAPES = {  # name: (batch, seq_len, key heads, value heads, K, V, dtype)
     "small-fp32": (1, 19, 1, 2, 12, 20, torch.float32),
     "small-bf16": (1, 19, 1, 2, 12, 20, torch.bfloat16),
@@ -24,10 +26,10 @@ SHAPES = {  # name: (batch, seq_len, key heads, value heads, K, V, dtype)
 
 def inputs(name: str) -> list[torch.Tensor]:
     b, t, hk, hv, k, v, dtype = SHAPES[name]
-    gen = torch.Generator("cuda").manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
+        return torch.randn(*shape, generator=gen, device=DEVICE)
 
     q, key = rand(b, t, hk, k), rand(b, t, hk, k) / k**0.5
     return [
@@ -36,8 +38,8 @@ def inputs(name: str) -> list[torch.Tensor]:
             q,
             key,
             rand(b, t, hv, v),
-            -torch.rand(b, t, hv, device="cuda"),
-            torch.rand(b, t, hv, device="cuda"),
+            -torch.rand(b, t, hv, generator=gen, device=DEVICE),
+            torch.rand(b, t, hv, generator=gen, device=DEVICE),
         )
     ]
 
@@ -47,7 +49,8 @@ def grads(name: str, mode: str) -> list[torch.Tensor]:
     xs = inputs(name)
     o, _ = fusetune.gated_delta_rule(*xs, mode="chunk")
     o.float().square().sum().backward()
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     return [o.detach().float()] + [x.grad.float() for x in xs]
 
 
