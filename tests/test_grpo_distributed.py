@@ -147,7 +147,7 @@ def check_against_ddp(runs: list[dict], ddp: dict, head_calls: int) -> None:
         for metric in METRICS:
             assert run[metric] == pytest.approx(ddp[metric], abs=1e-5), (run["label"], metric)
         assert run["tokens"] == ddp["tokens"]
-    assert len(set(fused["rewards"])) == 2, fused  # the update moved the policy
+    assert all(norm > 0 for norm in fused["grad_norms"]), fused  # the steps trained
 
 
 def assert_weights_close(got: dict, want: dict) -> None:
@@ -210,3 +210,14 @@ def test_zero3_without_deepspeed_says_so(capsys, monkeypatch):
     monkeypatch.setattr(zero3, "available", lambda: False)
     assert command.main(["--zero3"]) == 2
     assert "argument --zero3: needs DeepSpeed" in capsys.readouterr().err
+
+
+def test_zero3_bf16_on_cpu_ranks_says_why(capsys, monkeypatch, tmp_path):
+    from fusetune.grpo import command, zero3
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(zero3, "available", lambda: True)
+    assert command.main(["--zero3", "--precision", "bf16", "--device", "cpu"]) == 2
+    assert "--zero3 on the CPU trains in fp32" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written

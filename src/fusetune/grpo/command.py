@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     reward_functions = [rewards.resolve(name) for name in (args.reward or rewards.DEFAULT)]
     spec = models.resolve(args.model)
     precision = choose_precision(args.precision, args.device.type, bf16_supported(args.device))
+    if args.zero3:
+        zero3.check_precision(precision.name, args.device)
     tokenizer = tiny_tokenizer() if spec.tiny else _hf_tokenizer(spec)
     mode = "full" if args.full else f"LoRA r={args.lora_r} alpha={args.lora_alpha:g}"
     ranks = f"; {world_size()} ranks" if world_size() > 1 else ""

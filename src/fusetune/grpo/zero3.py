@@ -85,6 +85,14 @@ def forget_earlier_config() -> None:
     unset_hf_deepspeed_config()
 
 
+def check_precision(name: str, device: torch.device) -> None:
+    """ZeRO-3 on CPU ranks trains in fp32: transformers takes bf16 on the CPU only with
+    ``use_cpu``, which turns DeepSpeed off."""
+    if device.type == "cpu" and name != "fp32":
+        raise FinetuneError(f"--zero3 on the CPU trains in fp32 (transformers runs {name} on the "
+                            "CPU only without DeepSpeed); pass --precision fp32")  # fmt: skip
+
+
 def check_enabled(trainer, device: torch.device) -> None:
     """Stop, rather than run replicated or on another device, when accelerate did not hand the
     model to DeepSpeed ZeRO-3 on the device the command chose."""
