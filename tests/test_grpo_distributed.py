@@ -151,12 +151,14 @@ def check_against_ddp(runs: list[dict], ddp: dict, head_calls: int) -> None:
 
 
 def assert_weights_close(got: dict, want: dict) -> None:
-    """Saved weights after 2 AdamW steps: Adam divides each gradient by its own size, so the
-    engines' rounding (their reductions sum in another order) moves a near-zero gradient's
-    parameter by up to the learning rate times its relative difference: 1e-4, not 1e-5."""
+    """Saved weights after 2 AdamW steps. Adam divides each gradient by its own size, so the
+    engines' rounding (their reductions sum in other orders) moves the parameter of a near-zero
+    gradient by the learning rate (2e-2 LoRA, 3e-3 full) times that gradient's relative
+    difference: up to 5.5e-5 measured on CPU ranks, hence 5e-4. A wrong gather (a shard in the
+    wrong place, a zero or stale partition) is off by the weights' own size, about 0.1."""
     assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
     for name, tensor in want.items():
-        assert torch.allclose(got[name], tensor, rtol=0, atol=1e-4), name
+        assert torch.allclose(got[name], tensor, rtol=0, atol=5e-4), name
 
 
 def test_zero3_full_equals_ddp_and_saves_the_whole_model(tmp_path):
@@ -174,12 +176,13 @@ def test_zero3_full_equals_ddp_and_saves_the_whole_model(tmp_path):
     assert_weights_close(*(dict(m.named_parameters()) for m in models))
 
 
-def test_zero3_lora_with_reference_equals_ddp_and_saves_the_adapter(tmp_path):
-    """LoRA with a KL term: the policy and the reference (adapters off) each call TRL's head a
-    step; the adapter is gathered whole from the partitions."""
+def test_zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_path):
+    """LoRA on a model whose head is its embedding (tiny Gemma; Llama-3.2-1B's and
+    Qwen2.5-0.5B's layout), with a KL term: the policy and the reference (adapters off) each
+    call TRL's head a step on the partitioned embedding; the adapter is gathered whole."""
     from safetensors.torch import load_file
 
-    runs, ddp = zero3_and_ddp(tmp_path, "--steps", "2", "--beta", "0.04")
+    runs, ddp = zero3_and_ddp(tmp_path, "--model", "tiny-gemma", "--steps", "2", "--beta", "0.04")
     check_against_ddp(runs, ddp, head_calls=4)
     assert all(kl > 0 for kl in runs[1]["kl"][1:]), runs[1]["kl"]  # the reference is read
     adapters = [

@@ -121,7 +121,7 @@ def gathered_state(model: torch.nn.Module, full: bool) -> dict[str, torch.Tensor
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     state = {}
-    for name, param in model.named_parameters(remove_duplicate=False):  # tied names too
+    for name, param in model.named_parameters():  # a tied head: the embedding's name, kept
         if not (full or param.requires_grad):
             continue
         with deepspeed.zero.GatheredParameters([param]):
