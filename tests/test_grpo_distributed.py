@@ -189,6 +189,20 @@ def test_zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tm
         load_file(str(tmp_path / run / "adapter_model.safetensors")) for run in ("zero3", "ddp")
     ]
     assert_weights_close(*adapters)
+    check_adapter_loads(tmp_path / "zero3", "tiny-gemma", adapters[0])
+
+
+def check_adapter_loads(folder, model: str, saved: dict) -> None:
+    """PEFT loads the adapter onto the base model: every saved matrix in its LoRA layer."""
+    import peft
+
+    from fusetune.finetune import models
+
+    base = models.build(models.resolve(model), torch.float32, torch.device("cpu"), seed=0)
+    loaded = dict(peft.PeftModel.from_pretrained(base, str(folder)).named_parameters())
+    for name, tensor in saved.items():
+        loaded_name = name.removesuffix(".weight") + ".default.weight"
+        assert torch.equal(loaded[loaded_name], tensor), name
 
 
 def test_zero3_on_one_process_is_a_usage_error(capsys, monkeypatch):

@@ -49,8 +49,9 @@ def config() -> dict:
 
 
 def options(args) -> dict:
-    """GRPOConfig's settings for ``--zero3`` ({} without it). The command leaves ``use_cpu``
-    off with it: under ``use_cpu`` transformers never turns DeepSpeed on."""
+    """GRPOConfig's settings for ``--zero3`` ({} without it); on CPU ranks it also sets up
+    accelerate's state for the trainer (:func:`_cpu_state`). The command leaves ``use_cpu`` off
+    with it: under ``use_cpu`` transformers never turns DeepSpeed on."""
     if not args.zero3:
         return {}
     if args.device.type != "cpu":
