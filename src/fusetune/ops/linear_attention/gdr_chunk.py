@@ -71,12 +71,22 @@ def chunk_size(interpreting: bool, key_dim: int = 128) -> int:
     return size
 
 
+def min_block(dot: int) -> int:
+    """The smallest tile side: 16 for IEEE products, 32 on tensor cores. Triton 3.6 on Hopper
+    compiles tf32 and bf16 tl.dot on 16-wide fp32 tiles in bwd_chunk_kernel to out-of-range
+    shared-memory reads (compute-sanitizer: "Out-of-range shared or local address" at dot3's
+    first product; K = 12 padded to 16; with mma.sync instead of wgmma no fault). Tiles of 32
+    were exact (1e-7 of IEEE in every kernel, K = 32, V = 40). Only tiny heads pay: the models'
+    are 128."""
+    return 16 if dot == 2 else 32
+
+
 def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
     """Value columns a step of bwd_chunk_kernel's loop: 64 (BWD_BLOCK_V) up to K = 128 with IEEE
     products, 32 above and in split3 mode (its split operands and 16-bit tiles took 229376 of
     the 232448 bytes at K = V = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
     cap = BWD_BLOCK_V if key_dim <= 128 and dot == 2 else min(BWD_BLOCK_V, 32)
-    return min(max(16, triton.next_power_of_2(value_dim)), cap)
+    return max(min(max(16, triton.next_power_of_2(value_dim)), cap), min_block(dot))
 
 
 DOT_MODES = {"ieee": 2, "split3": 3, "bf16x6": 4}
