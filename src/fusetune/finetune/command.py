@@ -134,13 +134,14 @@ def run(args: argparse.Namespace) -> int:
             raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
         if args.ranks.world > 1:
             _refuse_accelerate_engines()
-        if args.ranks.world > 1 and args.compile:
-            # measured (gloo, 2 ranks): FSDP2's per-layer hooks break the stack's graph inside
-            # the layer loop, so the stack runs eagerly and every layer compiles on its own
-            # (a class per sharded layer): past 8 layers dynamo's recompile limit turns it off
+        if args.ranks.world > 1 and args.compile == "reduce-overhead":
+            # FSDP2's hooks split the stack at every layer (the layers share their graphs:
+            # tests/test_compile_fsdp.py), and a CUDA graph replays fixed addresses where
+            # FSDP2 frees and gathers each layer's weights anew
             raise FinetuneError(
-                "--compile runs on one process: under FSDP2 the sharded layers' hooks split "
-                "the compiled stack into one graph per layer; leave --compile out with torchrun"
+                "--compile reduce-overhead runs on one process: its CUDA graphs need fixed "
+                "addresses, and FSDP2 gathers each layer's weights anew every step; use "
+                "--compile (default) or max-autotune with torchrun"
             )
         plan = prepare(args)
         lines = describe(plan)
@@ -217,9 +218,12 @@ def _describe_compile(args: argparse.Namespace) -> dict[str, str]:
     if not args.compile:
         return {}
     how = "aot_eager backend" if args.compile == "aot_eager" else f"mode {args.compile}"
+    graphs = "one torch.compile graph"
+    if args.ranks.world > 1:
+        graphs = "compiled, split at FSDP2's hooks into graphs its layers share"
     return {
-        "compile": f"on: the decoder stack is one torch.compile graph ({how}); the steps that "
-        "compile are left out of tokens/s"
+        "compile": f"on: the decoder stack is {graphs} ({how}); the steps that compile are "
+        "left out of tokens/s"
     }
 
 
