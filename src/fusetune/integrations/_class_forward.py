@@ -68,6 +68,8 @@ def _reduce_ex(self, protocol):
     subclass made at run time cannot be found by its name."""
     reduced = object.__reduce_ex__(self, max(protocol, 2))
     cls = type(self)
+    if "_fusetune_base" not in cls.__dict__:  # subclassed again since (FSDP2): that class's
+        return reduced
     return (_rebuild, (cls._fusetune_base, cls.forward), *reduced[2:])
 
 
