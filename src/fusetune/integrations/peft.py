@@ -26,6 +26,12 @@ adapter or new weights, a dtype or device change later route that call as a fres
 It is cached per layer under a key of everything it reads (adapter state, the tensors by
 identity with their dtype, shape, device and requires_grad, the scaling): a step's forwards
 re-read the key (a few attribute reads), not the whole check.
+
+A patched module's class becomes a subclass with fusetune's forward, one per class, as FSDP2's
+``fully_shard`` swaps classes (:mod:`fusetune.integrations._class_forward`); its name,
+``isinstance``, state dict, copies and pickles are as before. Every layer then runs the same
+forward object, so ``torch.compile`` of each decoder layer on its own shares one graph among
+them, as with PEFT's own forwards.
 """
 
 from __future__ import annotations
