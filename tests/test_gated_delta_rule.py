@@ -266,11 +266,13 @@ def test_fp32_gates_beside_bf16_inputs():
 
 
 # ----------------------------------------------------------------------------- split products
-# FUSETUNE_GDR_DOT=split3 | bf16x6: tensor-core products (16-bit inputs as they are, fp32
-# operands split into two tf32 halves or three bf16 pieces, gdr_chunk.mm) instead of IEEE fp32
-# FMA. Triton's own "tf32x3" lowering faulted (illegal memory access) on the small shapes below
-# under Triton 3.6: they run here on the CPU and again, compiled, in the GPU pass.
-SPLIT_MODES = ["split3", "bf16x6"]
+# FUSETUNE_GDR_DOT: tensor-core products by default (split3: 16-bit inputs as they are, fp32
+# operands split into two tf32 halves, gdr_chunk.mm); ieee runs IEEE fp32 FMA, kept as a second
+# path to check against. The tests below run the mode the rest of the file does not (ieee) on the
+# small shapes, and the split helpers themselves. Triton's own "tf32x3" lowering and 16-wide
+# tensor-core tiles faulted (illegal memory access) under Triton 3.6 on these small shapes: they
+# run here on the CPU and again, compiled, in the GPU pass.
+OTHER_MODES = ["ieee"]
 
 
 @triton.jit
@@ -279,15 +281,6 @@ def _split_kernel(x, hi, lo, N: tl.constexpr):
     high, low = gdr_chunk.tf32_split(tl.load(x + cols))
     tl.store(hi + cols, high)
     tl.store(lo + cols, low)
-
-
-@triton.jit
-def _bf16_split_kernel(x, pieces, N: tl.constexpr):
-    cols = tl.arange(0, N)
-    b0, b1, b2 = gdr_chunk.bf16_split(tl.load(x + cols))
-    tl.store(pieces + cols, b0)
-    tl.store(pieces + N + cols, b1)
-    tl.store(pieces + 2 * N + cols, b2)
 
 
 @triton.jit
@@ -321,23 +314,6 @@ def test_tf32_split():
     assert (rest[~normal] <= 2.0**-137).all()
 
 
-def test_bf16_split():
-    """Three bf16 pieces carry x to 2^-27 relative (fp32 keeps 2^-24), each piece at most 2^-7
-    of the one before (2^-8 where the conversion rounds to nearest, as the GPU's does; the
-    interpreter's truncates)."""
-    torch.manual_seed(2)
-    x = torch.randn(256) * torch.exp2(torch.randint(-60, 60, (256,)).float())
-    x[:3] = torch.tensor([0.0, 1.9999999, -3.0000002])
-    pieces = torch.empty(3, 256, dtype=torch.bfloat16, device=DEVICE)
-    _bf16_split_kernel[(1,)](x.to(DEVICE), pieces, N=256)
-    parts = pieces.cpu().double()
-    x64 = x.double()
-    assert ((x64 - parts.sum(0)).abs() <= 2.0**-27 * x64.abs()).all()
-    assert (parts[1].abs() <= 2.0**-7 * parts[0].abs()).all()
-    assert (parts[2].abs() <= 2.0**-7 * parts[1].abs()).all()
-
-
-@pytest.mark.parametrize("mode", SPLIT_MODES)
 @pytest.mark.parametrize(
     "dtypes",
     [
@@ -350,10 +326,10 @@ def test_bf16_split():
     ],
     ids=["fp32-fp32", "fp32-bf16", "bf16-fp32", "bf16-bf16", "fp16-fp16", "fp16-bf16"],
 )
-def test_split_products(mode, dtypes):
-    """gdr_chunk.mm in split3 / bf16x6 mode against float64 for every operand pairing the
+def test_split_products(dtypes):
+    """gdr_chunk.mm in split3 mode against float64 for every operand pairing the
     kernels use: within 2^-20 of |a| |b| (fp32 rounding and accumulation; one tf32 product would
-    be 2^-11, one bf16 product 2^-8)."""
+    be 2^-11)."""
     torch.manual_seed(1)
     n = 32
     a, b = (
@@ -361,20 +337,21 @@ def test_split_products(mode, dtypes):
         for dt in dtypes
     )
     c = torch.empty(n, n, device=DEVICE)
-    _mm_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, DOT=gdr_chunk.DOT_MODES[mode], N=n)
+    _mm_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, DOT=gdr_chunk.DOT_MODES["split3"], N=n)
     want = a.double() @ b.double()
     bound = 2.0**-20 * (a.double().abs() @ b.double().abs())
     assert ((c.cpu().double() - want).abs() <= bound).all()
 
 
 def test_dot_mode_names(monkeypatch):
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "split3")
+    monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
     assert gdr_chunk.dot_mode() == 3
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "bf16x6")
-    assert gdr_chunk.dot_mode() == 4
-    monkeypatch.setenv("FUSETUNE_GDR_DOT", "tf32x3")
-    with pytest.raises(ValueError, match=r"one of \('ieee', 'split3', 'bf16x6'\), got 'tf32x3'"):
-        gdr_chunk.dot_mode()
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "ieee")
+    assert gdr_chunk.dot_mode() == 2
+    for refused in ("tf32x3", "bf16x6"):
+        monkeypatch.setenv("FUSETUNE_GDR_DOT", refused)
+        with pytest.raises(ValueError, match=rf"one of \('ieee', 'split3'\), got '{refused}'"):
+            gdr_chunk.dot_mode()
 
 
 SPLIT_CASES = {
@@ -392,10 +369,10 @@ SPLIT_CASES = {
 }
 
 
-@pytest.mark.parametrize("mode", SPLIT_MODES)
+@pytest.mark.parametrize("mode", OTHER_MODES)
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
-def test_split_small_shapes(monkeypatch, mode, case):
-    """Chunk mode in split3 / bf16x6 mode on the test matrix's small shapes (padded K = 12,
+def test_other_mode_small_shapes(monkeypatch, mode, case):
+    """Chunk mode with IEEE products on the test matrix's small shapes (padded K = 12,
     V = 20; grouped heads; several value blocks; T = 1), every output and gradient."""
     monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     if case == "value-blocks-fp32":
@@ -404,18 +381,18 @@ def test_split_small_shapes(monkeypatch, mode, case):
     run_check(make_inputs(**shape), dtype, "chunk", **options)
 
 
-@pytest.mark.parametrize("mode", SPLIT_MODES)
-def test_split_varlen(monkeypatch, mode):
-    """Packed sequences (one empty, one of a single token) in split3 / bf16x6 mode, bf16."""
+@pytest.mark.parametrize("mode", OTHER_MODES)
+def test_other_mode_varlen(monkeypatch, mode):
+    """Packed sequences (one empty, one of a single token) with IEEE products, bf16."""
     monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     offsets = [0, 5, 5, 17, 18, 30]
     inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
     check_packed(inputs, offsets, torch.bfloat16, torch.int32)
 
 
-@pytest.mark.parametrize("mode", SPLIT_MODES)
-def test_split_chunks_of_64_extreme_gates(monkeypatch, mode):
-    """Split products with 64-token chunks (the blocked inverse's N^2, N^3 terms through them)
+@pytest.mark.parametrize("mode", list(gdr_chunk.DOT_MODES))
+def test_chunks_of_64_extreme_gates(monkeypatch, mode):
+    """Both product modes with 64-token chunks (the blocked inverse's N^2, N^3 terms through them)
     and gates of -5000, -1e4 and -inf: exact in fp32, dg included."""
     monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     monkeypatch.setattr(gdr_chunk, "INTERPRET_CHUNK", 64)
@@ -434,10 +411,8 @@ def test_split_chunks_of_64_extreme_gates(monkeypatch, mode):
         ("split3", torch.bfloat16, True),
         ("split3", torch.bfloat16, False),
         ("split3", torch.float32, False),
-        ("bf16x6", torch.bfloat16, True),
-        ("bf16x6", torch.float32, False),
     ],
-    ids=["split3-bf16-l2norm", "split3-bf16", "split3-fp32", "bf16x6-bf16-l2norm", "bf16x6-fp32"],
+    ids=["split3-bf16-l2norm", "split3-bf16", "split3-fp32"],
 )
 def test_split_long_gpu(monkeypatch, mode, dtype, l2norm):
     """Split products at B2 T1024, four value heads on two key heads, K = V = 128: with l2norm

@@ -3,7 +3,7 @@ the same inputs, every tensor argument of every chunk-kernel launch copied right
 then each launch's arguments compared with the IEEE run's (relative max gap). The first launch
 whose outputs differ is the culprit: its inputs are the earlier launches' outputs.
 
-    PYTHONPATH=src:tests python tools/gdr_kernel_diff.py small-fp32 split3 [bf16x6 ...]
+    PYTHONPATH=src:tests python tools/gdr_kernel_diff.py small-fp32 split3
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
     python tools/gdr_shared_memory.py 128                 # K = V = 128 (chunk 64), IEEE, fp32
     python tools/gdr_shared_memory.py 256 split3 bf16     # K = V = 256 (chunk 32), split3, bf16
 
-The second argument is the products' mode (ieee | split3 | bf16x6: FUSETUNE_GDR_DOT), the third the
+The second argument is the products' mode (ieee | split3: FUSETUNE_GDR_DOT), the third the
 dtype of the inputs q, k, v, beta and dO (fp32 | bf16 | fp16; the 16-bit ones take 16-bit
 tensor-core products in split3 mode), or l2norm: bf16 with q, k in fp32, as the models call it
 (use_qk_l2norm_in_kernel normalises q, k in fp32 before the kernels).

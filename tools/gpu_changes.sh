@@ -2,7 +2,7 @@
 # The GPU pass of this session's GPU-untested changes, within ~8 minutes on one H100. Carry .bnb.
 #   1. tests/test_quant4.py compiled (the dequant kernel's byte-per-lane rewrite) and
 #      tools/bench_dequant.py against bitsandbytes' CUDA dequant;
-#   2. tools/gpu_gdr_modes.sh (Gated DeltaNet split3 / bf16x6 products);
+#   2. tools/gpu_gdr_split.sh (Gated DeltaNet split3 products);
 #   3. the GSA tests gpu_gsa_precision.sh does not run (the rest of the moved code), if time is left.
 # Logs under $OUT.
 set -u
@@ -15,7 +15,7 @@ timeout 110 python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/test_quant4
   | tee "$OUT/quant4-tests.txt" | tail -4
 timeout 40 python3 tools/bench_dequant.py 2>&1 | tee "$OUT/dequant-bench.txt"
 echo "== 2. Gated DeltaNet modes"
-OUT="$OUT" bash tools/gpu_gdr_modes.sh 2>&1 | tail -40
+OUT="$OUT" bash tools/gpu_gdr_split.sh 2>&1 | tail -40
 left=$((520 - SECONDS))
 echo "== 3. GSA tests ($left s left)"
 ((left > 40)) && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rfE -n 8 \

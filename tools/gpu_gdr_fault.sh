@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-gdr
 {
     echo "== 1. per-kernel gaps to IEEE"
-    for case in "small-fp32 split3" "k32-fp32 split3 bf16x6" "small-bf16 split3"; do
+    for case in "small-fp32 split3" "k32-fp32 split3" "small-bf16 split3"; do
         CUDA_LAUNCH_BLOCKING=1 timeout 100 python tools/gdr_kernel_diff.py $case 2>&1 | tail -16
     done
     echo "== 2. B2 T1024 H4 K=V=128 bf16"

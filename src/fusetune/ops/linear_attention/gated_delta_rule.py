@@ -97,15 +97,16 @@ class _ChunkRun:
         dot = gdr_chunk.dot_mode()
         if dot != 2 and self.bt < 32 and not _utils.INTERPRET:
             raise ValueError("FUSETUNE_GDR_CHUNK=16 needs FUSETUNE_GDR_DOT=ieee: tensor-core "
-                             "products on 16-wide tiles fault under Triton 3.6 (gdr_chunk.min_block)")
+                             "products on 16-wide tiles fault under Triton 3.6 (see "
+                             "gdr_chunk.min_block)")
         smallest = gdr_chunk.min_block(dot)
         self.bk = max(smallest, plan.BK)
         self.bva = max(smallest, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(smallest, plan.BV)
         # fp32-exact products whatever the input dtype: tf32 alone (fp16's 10-bit mantissa) on
         # the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on dg
-        # in fp16 (issue 20, item 4). IEEE FMA by default; FUSETUNE_GDR_DOT=split3 runs them on
-        # tensor cores at about fp32's accuracy (gdr_chunk.mm).
+        # in fp16 (issue 20, item 4). Tensor cores at about fp32's accuracy by default
+        # (gdr_chunk.mm's split3); FUSETUNE_GDR_DOT=ieee runs IEEE FMA.
         self.common = dict(GROUP=plan.group, K=plan.key_dim, BT=self.bt, BK=self.bk,
                            VARLEN=plan.varlen, DOT=dot, num_warps=4,
                            num_stages=1)  # shared memory: see gdr_chunk's SHARED MEMORY

@@ -11,9 +11,10 @@ Forward, three launches: ``wy_kernel`` (per chunk: A, then T, kept), ``states_ke
 sequence, value head and block of value columns, sequential over chunks: W and U from T, every
 chunk's S0 and D, the final state), ``output_kernel`` (per chunk and block of value columns: O).
 Backward: below.
-Products are fp32-exact (``mm``, ``DOT``): IEEE FMA (2, the default) or tensor cores (3,
+Products are fp32-exact (``mm``, ``DOT``): tensor cores (3, the default,
 ``FUSETUNE_GDR_DOT=split3``: input tiles enter in their own dtype, fp32 operands as two tf32
-halves). Where an input meets a per-token factor, the factor moves onto the other operand
+halves) or IEEE FMA (2, ``ieee``).
+Where an input meets a per-token factor, the factor moves onto the other operand
 (W = (T diag(beta e^G)) K, U = (T diag(beta)) V, (e^G Q) S0 = diag(e^G) (Q S0)) so that the
 input stays a 16-bit tile. exp arguments are <= 0.
 """
@@ -49,14 +50,10 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #     split3 fp32           98304   98304   65536   114688   196608 (BVA 32)
 #     split3 l2norm         98304   98304   65536   114688   196608 (BVA 32)
 #     split3 bf16 / fp16    98304   65536   65536   114688   163840 (BVA 32; 229376 at 64)
-#     bf16x6 fp32           73728   73728   49152   81920    147456 (BVA 32)
-#     bf16x6 l2norm         73728   77824   49152   86016    147456 (BVA 32)
-#     bf16x6 bf16           73728   45056   65536   69632    114688 (BVA 32)
 #   K = V = 256, BT 32
 #     ieee fp32             32768   71680   139264  75904    102528
 #     split3 fp32 / l2norm  65536   34816   65536   81920    98304
 #     split3 bf16           20480   32768   81920   69632    65536
-#     bf16x6 l2norm         65536   34816   65536   52224    65536
 
 
 def chunk_size(interpreting: bool, key_dim: int = 128) -> int:
@@ -89,16 +86,16 @@ def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
     return max(min(max(16, triton.next_power_of_2(value_dim)), cap), min_block(dot))
 
 
-DOT_MODES = {"ieee": 2, "split3": 3, "bf16x6": 4}
+DOT_MODES = {"ieee": 2, "split3": 3}
 
 
 def dot_mode() -> int:
-    """The products' precision: IEEE fp32 (2, the default), or tensor cores through ``mm``'s
-    splits, 16-bit inputs as they are: ``FUSETUNE_GDR_DOT=split3`` (3: fp32 operands as two tf32
-    halves) or ``bf16x6`` (4: as three bf16 pieces, for the case that tf32 products fault too).
-    Triton's own input_precision="tf32x3" is not used: under Triton 3.6 it hit illegal memory
-    accesses on small shapes."""
-    mode = os.environ.get("FUSETUNE_GDR_DOT", "ieee")
+    """The products' precision: tensor cores through ``mm``'s splits (3, the default:
+    ``FUSETUNE_GDR_DOT=split3``; fp32 operands as two tf32 halves, 16-bit inputs as they are) or
+    IEEE fp32 FMA (2: ``ieee``; 12x slower at Qwen3.5's sizes, kept as the second oracle).
+    Triton's own input_precision="tf32x3" is not used: under Triton 3.6 it faulted on small
+    shapes (see min_block), and a bf16x6 mode faulted at K = 128."""
+    mode = os.environ.get("FUSETUNE_GDR_DOT", "split3")
     if mode not in DOT_MODES:
         raise ValueError(f"FUSETUNE_GDR_DOT must be one of {tuple(DOT_MODES)}, got {mode!r}")
     return DOT_MODES[mode]
@@ -181,89 +178,13 @@ def _mm_split(a, b):
 
 
 @triton.jit
-def bf16_split(x):
-    """fp32 x = b0 + b1 + b2 + r with bf16 pieces, each the rounded remainder of the ones
-    before (the remainders are exact in fp32), |r| <= 2^-27 |x|."""
-    b0 = x.to(tl.bfloat16)
-    rest = x - b0.to(tl.float32)
-    b1 = rest.to(tl.bfloat16)
-    return b0, b1, (rest - b1.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def _bdot(a, b, acc):
-    """acc + a @ b for bf16 a, b (exact products, fp32 accumulation)."""
-    if UPCAST_BF16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def dot6(a, b):
-    """fp32 a @ b as six bf16 products, the pieces' pairs (i, j) with i + j <= 2 (the rest are
-    below 2^-26 of the product), the small terms first."""
-    a0, a1, a2 = bf16_split(a)
-    b0, b1, b2 = bf16_split(b)
-    acc = _bdot(a2, b0, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32))
-    acc = _bdot(a1, b1, acc)
-    acc = _bdot(a0, b2, acc)
-    acc = _bdot(a1, b0, acc)
-    acc = _bdot(a0, b1, acc)
-    return _bdot(a0, b0, acc)
-
-
-@triton.jit
-def _dot3_bf16_left(a, b):
-    """a @ b with fp32 a (three pieces) and a bf16 input b: three products."""
-    a0, a1, a2 = bf16_split(a)
-    acc = _bdot(a2, b, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32))
-    acc = _bdot(a1, b, acc)
-    return _bdot(a0, b, acc)
-
-
-@triton.jit
-def _dot3_bf16_right(a, b):
-    """a @ b with a bf16 input a and fp32 b (three pieces): three products."""
-    b0, b1, b2 = bf16_split(b)
-    acc = _bdot(a, b2, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32))
-    acc = _bdot(a, b1, acc)
-    return _bdot(a, b0, acc)
-
-
-@triton.jit
-def _mm_bf16x6(a, b):
-    """fp32 ``a @ b`` from bf16 tensor-core products: bf16 input tiles as they are, everything
-    else (fp32, and fp16 beside another dtype) in three bf16 pieces."""
-    if a.dtype == tl.bfloat16:
-        if b.dtype == tl.bfloat16:
-            return _bdot(a, b, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32))
-        else:
-            return _dot3_bf16_right(a, b.to(tl.float32))
-    else:
-        if b.dtype == tl.bfloat16:
-            return _dot3_bf16_left(a.to(tl.float32), b)
-        else:
-            if a.dtype == tl.float16:
-                if b.dtype == tl.float16:
-                    return _dot_inputs(a, b)
-                else:
-                    return dot6(a.to(tl.float32), b)
-            else:
-                return dot6(a, b.to(tl.float32))
-
-
-@triton.jit
 def mm(a, b, DOT: tl.constexpr):
-    """fp32 ``a @ b``: IEEE fp32 FMA (DOT == 2), or tensor cores (3: ``_mm_split``, 4:
-    ``_mm_bf16x6``). Operands are fp32 tiles or input tiles in their own dtype (fp32, fp16,
-    bf16)."""
+    """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``) or IEEE fp32 FMA (2). Operands are
+    fp32 tiles or input tiles in their own dtype (fp32, fp16, bf16)."""
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT == 3:
-        return _mm_split(a, b)
     else:
-        return _mm_bf16x6(a, b)
+        return _mm_split(a, b)
 
 
 @triton.jit
