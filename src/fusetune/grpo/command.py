@@ -30,7 +30,7 @@ from fusetune.finetune.args import (
     resolve_device,
 )
 from fusetune.finetune.command import _add_lora, _release
-from fusetune.finetune.distributed import Ranks, full_state_dict
+from fusetune.finetune.distributed import Ranks, finish, full_state_dict
 from fusetune.finetune.errors import FinetuneError
 from fusetune.finetune.output import MARKER, check_output, checkpoint_folders, staged_output
 from fusetune.finetune.precision import CHOICES as PRECISIONS
@@ -192,8 +192,10 @@ def run(args: argparse.Namespace) -> int:
         if main_rank():
             report(args, spec, trainer, tokenizer, runs, state)
     finally:
-        if args.zero3:
-            zero3.finish()
+        # every rank waits for rank 0's output, then leaves the process group: a rank exiting
+        # early with gloo's group up aborted now and then ("terminate called without an active
+        # exception": seen under DDP and ZeRO-3 on CPU ranks)
+        finish(Ranks(int(os.environ.get("RANK", "0")), world_size()))
     return 0
 
 

@@ -135,14 +135,3 @@ def gathered_state(model: torch.nn.Module, full: bool) -> dict[str, torch.Tensor
         if name in persistent:
             state[name] = buffer.detach().cpu().clone()
     return state
-
-
-def finish() -> None:
-    """Every rank waits for rank 0's output, then leaves the process group: a rank exiting
-    with DeepSpeed's group still up aborted on the CPU ("terminate called without an active
-    exception", gloo)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
