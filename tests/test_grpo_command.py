@@ -98,3 +98,27 @@ def test_bad_input_exits_2_and_writes_nothing(argv, message, tmp_path, capsys):
     assert main([*argv, "--output", str(output)]) == 2
     assert message in capsys.readouterr().err
     assert not output.exists()
+
+
+def test_one_process_sees_one_gpu(monkeypatch):
+    """Without torchrun the command shows the process only the GPU --device names (TRL's
+    GRPOTrainer refuses the nn.DataParallel transformers picks for a process seeing several);
+    torchrun, a CUDA_VISIBLE_DEVICES already set and the CPU are left alone."""
+    from fusetune.grpo import command
+
+    monkeypatch.setattr(command.torch.cuda, "is_initialized", lambda: False)
+    for name in ("WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):  # set first: undone to the original
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert command.one_visible_gpu("cuda:1") == "cuda"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert command.one_visible_gpu("auto") == "auto"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert command.one_visible_gpu("cuda:2") == "cuda:2"  # already set: left alone
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    for left_alone in ("cpu", "cuda:x"):
+        assert command.one_visible_gpu(left_alone) == left_alone
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert command.one_visible_gpu("cuda") == "cuda"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

@@ -122,13 +122,33 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.batch_size % world_size():
         parser.error(f"argument --batch-size: {args.batch_size} (the global batch) does not "
                      f"split over {world_size()} ranks")  # fmt: skip
-    args.device = resolve_device(args.device)
+    args.device = resolve_device(one_visible_gpu(args.device))
     if args.device.type == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: a GPU a rank
         args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     if args.lr is None:
         tiny = args.model in models.TINY_MODELS
         args.lr = (3e-3 if args.full else 2e-2) if tiny else 1e-5
     return args
+
+
+def one_visible_gpu(device: str) -> str:
+    """Without torchrun the run trains on one GPU: transformers' Trainer wraps the model in
+    nn.DataParallel when one process sees several GPUs, and TRL's GRPOTrainer refuses that. So
+    the process is shown only the GPU ``--device`` names (the first for auto / cuda), set before
+    CUDA starts; returns the device to use then. Left alone: torchrun, a CUDA_VISIBLE_DEVICES
+    already set, the CPU, CUDA already started (TRL's own error then says what to do)."""
+    if (
+        world_size() > 1
+        or "CUDA_VISIBLE_DEVICES" in os.environ
+        or torch.cuda.is_initialized()
+        or not device.startswith(("auto", "cuda"))
+    ):
+        return device
+    name, _, index = device.partition(":")
+    if index and not index.isdigit():
+        return device  # resolve_device names the bad argument
+    os.environ["CUDA_VISIBLE_DEVICES"] = index or "0"
+    return name
 
 
 def world_size() -> int:
