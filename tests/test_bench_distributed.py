@@ -98,6 +98,9 @@ def test_jobs_order_and_choices():
     missing = importlib.util.find_spec("deepspeed") is None
     assert (distributed.not_run(zero3, cuda=True) is not None) == missing  # an honest skip
     assert distributed.not_run({**found[1], "engine": "fsdp2"}, cuda=False).startswith("skipped")
+    compiled = {**zero3, "variant": "fusetune-compiled"}
+    assert distributed.not_run(compiled, cuda=True).endswith("run under FSDP2")
+    assert distributed._variant_name({**found[3], "variant": "hf-compiled"}) == "hf+peft, compiled"
     args.variants = "hf,nope"
     with pytest.raises(SystemExit, match="--variants: unknown"):
         distributed.jobs(args, tiny=True)
@@ -108,22 +111,25 @@ def test_jobs_order_and_choices():
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
 )
 def test_command_on_two_ranks(tmp_path, capsys):
-    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own: the 1-rank
-    and the 2-rank launch both give a row with the fused loss on every step and a scaling
-    efficiency."""
-    argv = ["bench", "e2e", "--nproc", "2", "--tiny", "--full", "--variants", "fusetune",
+    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own, eager and
+    with each layer compiled: the 1-rank and the 2-rank launches give rows with the fused loss
+    on every step and a scaling efficiency."""
+    argv = ["bench", "e2e", "--nproc", "2", "--tiny", "--full", "--variants",
+            "fusetune,fusetune-compiled",
             "--shapes", "llama-3.2-1b", "--steps", "1", "--warmup", "1", "--seq-len", "16",
             "--out", str(tmp_path)]  # fmt: skip
     code = cli_main(argv)
     printed = capsys.readouterr().out
     rows = json.loads((tmp_path / "e2e-distributed.json").read_text())["rows"]
-    assert [r["nproc"] for r in rows] == [1, 2], rows
+    assert sorted((r["variant"], r["nproc"]) for r in rows) == [
+        ("fusetune", 1), ("fusetune", 2), ("fusetune-compiled", 1), ("fusetune-compiled", 2),
+    ], rows  # fmt: skip
     for got in rows:
         assert "error" not in got, (got, (tmp_path / got["log"]).read_text()[-3000:])
         assert got["fused_calls"] == got["steps"] == 2 and got["fallback_warnings"] == []
         assert got["world"] == got["nproc"]
-    assert rows[1]["efficiency"] > 0 and code == 0
-    assert "fusetune" in printed and "2/2" in printed
+    assert all(r["efficiency"] > 0 for r in rows if r["nproc"] == 2) and code == 0
+    assert "fusetune, compiled" in printed and "2/2" in printed
 
 
 def test_profile_lines_show_cuda_time_against_the_wall_step():

@@ -8,7 +8,8 @@
 #                                         # LoRA + tied), bench e2e --nproc plumbing, finetune
 #                                         # and grpo under torchrun, TRL's head on FSDP2 shards
 #   bash tools/gpu_distributed.sh bench   # bench e2e --nproc 2 in priority order (fits 560 s):
-#     (a) FSDP2 full FT Llama-3.2-1B, (b) FSDP2 LoRA Llama, (c) ZeRO-3 full Llama,
+#     (a) FSDP2 full FT Llama-3.2-1B, (b) FSDP2 LoRA Llama (profiled; also HF and fusetune with
+#     each layer compiled), (c) ZeRO-3 full Llama,
 #     (d) FSDP2 full / LoRA Qwen2.5-0.5B, (e) ZeRO-3 LoRA Llama; each variant (hf, liger,
 #     fusetune) at 1 GPU (launches side by side) and 2 GPUs; a step starts only with 60 s
 #     left, each launch under --timeout 150. Tables: $OUT/bench-*/e2e-distributed.txt.
@@ -42,14 +43,15 @@ case "${1:-tests}" in
     nvidia-smi -L | tee "$OUT/gpus.txt"
     timeout 560 python3 -m pytest -q -p no:cacheprovider -rxs --durations=15 tests/test_distributed.py \
       tests/test_bench_distributed.py tests/test_finetune_distributed.py \
-      tests/test_grpo_distributed.py tests/test_trl_fsdp.py 2>&1 \
+      tests/test_grpo_distributed.py tests/test_trl_fsdp.py tests/test_compile_fsdp.py 2>&1 \
       | tee "$OUT/distributed-tests.log" | tail -40
     ;;
   bench)
     nvidia-smi -L | tee "$OUT/gpus.txt"
     llama=(--shapes llama-3.2-1b)
     bench_step fsdp2-full-llama 200 --engine fsdp2 --full "${llama[@]}"
-    bench_step fsdp2-lora-llama 200 --engine fsdp2 --lora --profile "${llama[@]}"
+    bench_step fsdp2-lora-llama 260 --engine fsdp2 --lora --profile "${llama[@]}" \
+      --variants hf,liger,fusetune,hf-compiled,fusetune-compiled
     bench_step zero3-full-llama 260 --engine zero3 --full "${llama[@]}"
     bench_step fsdp2-qwen 300 --engine fsdp2 --full --lora --shapes qwen2.5-0.5b
     bench_step zero3-lora-llama 260 --engine zero3 --lora "${llama[@]}"

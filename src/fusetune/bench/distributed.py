@@ -44,7 +44,8 @@ from fusetune.bench.cases_e2e import (
     profile_lines,
 )
 
-VARIANTS = ("hf", "liger", "fusetune")
+VARIANTS = ("hf", "liger", "fusetune", "hf-compiled", "fusetune-compiled")
+DEFAULT_VARIANTS = VARIANTS[:3]  # the compiled ones (FSDP2 only) on request
 ENGINES = ("fsdp2", "zero3")
 TAG = "RESULT "
 LAUNCH_TIMEOUT_S = 240
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--full", action="store_true", help="full fine-tuning")
     parser.add_argument("--lora", action="store_true", help="LoRA (the default; both: both)")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {list(SHAPES)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="of hf, liger, fusetune")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help="of hf, liger, fusetune, hf-compiled, fusetune-compiled (each "
+                             "decoder layer compiled after sharding; FSDP2 only)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=None, help="per GPU (default: e2e's)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median; 8)")
@@ -101,6 +104,8 @@ def not_run(job: dict[str, Any], cuda: bool) -> str | None:
     """Why a job cannot run here (a note, not an error), or None."""
     if not cuda and job["variant"] == "liger":
         return "skipped: Liger-Kernel needs CUDA"
+    if job["engine"] == "zero3" and job["variant"].endswith("-compiled"):
+        return "skipped: the compiled variants run under FSDP2"
     if job["engine"] == "zero3" and importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (not a dependency)"
     return None
@@ -314,7 +319,7 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
     timed = "step_ms" in row
     keys = ("step_ms_min", "step_ms", "step_ms_max")
     steps = "/".join(f"{row[k]:.0f}" for k in keys) if timed else "-"
-    counted = timed and row["variant"] == "fusetune"
+    counted = timed and row["variant"].startswith("fusetune")
     calls = f"{row['fused_calls']}/{row['steps']}" if counted else "-"
     peak = row.get("peak_gib_per_gpu")
     note = ("ERROR " + row["error"]) if row.get("error") else row.get("note", "")
@@ -338,9 +343,10 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _variant_name(row: dict[str, Any]) -> str:
-    if row["mode"] != "lora":
-        return row["variant"]
-    return "hf+peft" if row["variant"] == "hf" else f"hf+peft+{row['variant']}"
+    base, compiled = row["variant"].removesuffix("-compiled"), row["variant"].endswith("compiled")
+    if row["mode"] == "lora":
+        base = "hf+peft" if base == "hf" else f"hf+peft+{base}"
+    return base + (", compiled" if compiled else "")
 
 
 def describe(row: dict[str, Any]) -> str:
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:  # where the step's time goes: CUDA kinds against the wall step
         for line in profile_lines({**row, "variant": f"{_variant_name(row)} x{row['nproc']}"}):
             print(line, flush=True)
-    bad = [r for r in rows if r["variant"] == "fusetune" and not_fused(r)]
+    bad = [r for r in rows if r["variant"].startswith("fusetune") and not_fused(r)]
     return 1 if bad else 0
 
 

@@ -81,7 +81,7 @@ def build(job: dict[str, Any], device: torch.device) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
                 torch.nn.init.normal_(param, std=0.02)
-    if job["variant"] == "fusetune":
+    if job["variant"].startswith("fusetune"):
         import fusetune
 
         fusetune.apply(model)
@@ -108,6 +108,16 @@ def fsdp2_step(model: torch.nn.Module, untied_head: bool):
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def compile_each_layer(model: torch.nn.Module, device: torch.device) -> None:
+    """Each decoder layer compiled on its own after FSDP2 sharded it (torchtitan's way: the
+    layers share graphs, FSDP2's hooks stay between them); Inductor on GPUs, aot_eager on the
+    CPU (no code generation in the smoke runs)."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    options = {} if device.type == "cuda" else {"backend": "aot_eager"}
+    for layer in causal.model.layers:
+        layer.compile(**options)
 
 
 def zero3_step(model: torch.nn.Module, batch: int):
@@ -183,6 +193,8 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         step = zero3_step(model, job["batch"])
     else:
         step = fsdp2_step(model, untied_head=job["mode"] == "full")
+        if job["variant"].endswith("-compiled"):
+            compile_each_layer(model, device)
     generator = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, vocab, (job["batch"], job["seq_len"]), generator=generator)
     times, fallbacks = time_steps(step, ids.to(device), job["warmup"], job["steps"])
