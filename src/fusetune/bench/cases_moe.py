@@ -8,7 +8,9 @@ the adapters get gradients), and no LoRA (x and the routing weights).
 Providers: fusetune; transformers 5.x's experts module (its own class for the family) with
 ``experts_implementation`` "eager" (the per-expert loop) and "grouped_mm"; with LoRA, that
 module wrapped by PEFT's ``target_parameters`` LoRA (the adapters fusetune gets are views of
-PEFT's own weights). On the CPU (smoke run) a tiny shape, fusetune (its reference) and eager.
+PEFT's own weights). Without LoRA at the Qwen3 shape also Liger-Kernel's fused MoE (which
+forms the experts' weight gradients too: for scale). On the CPU (smoke run) a tiny shape,
+fusetune (its reference) and eager.
 
 Also an e2e LoRA step (forward, backward, AdamW) of a reduced-depth Qwen3-MoE (Qwen3-30B-A3B
 widths, 4 layers, batch 4 x 2048) with PEFT LoRA r16 on attention and on the experts' 3-D
@@ -153,9 +155,28 @@ def _make(family: str, lora: bool):
         label = "transformers+peft" if lora else "transformers"
         for name in implementations:
             providers[f"{label} {name}"] = backward_step(transformers_impl(name), grads, leaves)
+        liger = _liger(module, x, ids, weights) if cuda and not lora and not gpt_oss else None
+        if liger is not None:
+            providers["liger fused_moe (+ expert dW)"] = backward_step(liger, grads, leaves)
         return providers
 
     return make
+
+
+def _liger(module, x, ids, weights) -> Callable[[], object] | None:
+    """Liger-Kernel's fused MoE (``ops.fused_moe``, 0.8.x): Qwen3-MoE's layout (gate_up [E, 2I,
+    H], gate rows first; down [E, H, I]), SwiGLU, no biases, no LoRA. Its backward always forms
+    the experts' weight gradients (a full fine-tuning op), so its row does more work than the
+    frozen-expert providers: it is there for scale, not as a like-for-like peer. None where
+    Liger-Kernel is not installed."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError:
+        return None
+    index = ids.to(torch.int32)
+    return lambda: LigerFusedMoEFunction.apply(
+        x, module.gate_up_proj, module.down_proj, index, weights
+    )
 
 
 def _floor(family: str) -> Callable[[bool], float]:
