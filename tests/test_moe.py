@@ -412,11 +412,15 @@ def test_route_trains_like_transformers(family):
     batches = [torch.randint(0, 64, (2, 6), device=DEVICE) for _ in range(2)]
     _same_training(model, routed, batches)
     copied = copy.deepcopy(routed)  # a copy is routed on its own modules
-    experts = copied.model.layers[0].mlp.experts
-    assert vars(experts)["forward"].module is experts
+    experts_class = type(model.model.layers[0].mlp.experts)
     assert integration.unroute(routed) == 1
-    assert "forward" not in vars(routed.model.layers[0].mlp.experts)
-    assert "forward" in vars(experts)
+    experts = routed.model.layers[0].mlp.experts
+    assert type(experts) is experts_class and "forward" not in vars(experts)
+    assert type(copied.model.layers[0].mlp.experts) is not experts_class  # still routed
+    before = integration.CALLS["moe_mlp"]
+    ids = batches[0]
+    assert_close("copy", copied(input_ids=ids).logits, model(input_ids=ids).logits, 1e-5)
+    assert integration.CALLS["moe_mlp"] - before == 1
 
 
 def test_route_peft_target_parameters():

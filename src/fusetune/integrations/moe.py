@@ -2,8 +2,10 @@
 
 ``route(model)`` finds every experts module transformers' ``@use_experts_implementation``
 builds (Qwen3-MoE, Qwen3.5-MoE, Mixtral, gpt-oss, and any other with 3-D ``gate_up_proj`` /
-``down_proj``, a gate and a SiLU or gpt-oss activation) and gives that module instance a forward
-that calls the fused op on its own parameters, in place (no copy, no new parameters). The
+``down_proj``, a gate and a SiLU or gpt-oss activation) and gives that module a forward, through
+its class (:mod:`fusetune.integrations._class_forward`: one forward for every layer, so that
+compiling layer by layer compiles one graph for all of them), that calls the fused op on its own
+parameters, in place (no copy, no new parameters). The
 router, its top-k, the routing weights and the auxiliary load-balancing loss stay transformers'
 own: only ``experts(hidden, top_k_index, top_k_weights)`` changes. ``unroute(model)`` restores.
 
@@ -27,9 +29,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fusetune.integrations import _class_forward
 from fusetune.ops.moe import MoeLora, moe_mlp
 
-# How many times the fused path ran (tests assert it moved: no silent fallback).
+# How many times the fused path ran eagerly (tests assert it moved: no silent fallback). Calls
+# inside a compiled graph are not counted (see _count).
 CALLS = {"moe_mlp": 0, "peft_fallback": 0}
 
 
@@ -39,16 +43,19 @@ class _Spec(NamedTuple):
     activation: str
 
 
-class _RoutedForward:
-    """The forward installed on a routed module (an instance attribute, so the class keeps
-    transformers' own). It holds the spec itself: a deepcopy of a routed model copies it with
-    the copy's own modules, routed alike; no global registry to go stale."""
+_ROUTED = "_fusetune_moe"  # a routed module's _Routed
 
-    def __init__(self, module: nn.Module, spec: _Spec):
-        self.module, self.spec = module, spec
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        return _routed_forward(self.module, self.spec, hidden_states, top_k_index, top_k_weights)
+class _Routed(NamedTuple):
+    """What a routed module keeps on itself: its activation, read by the class forward every
+    routed module shares, and what ``unroute`` restores (see :mod:`._class_forward`). No
+    module references: the forward finds the experts module and its PEFT wrappers from
+    ``self`` on each call, so a copy of a routed model runs on its own modules."""
+
+    activation: str
+    cls: type
+    original: object  # the instance-level forward before routing, if any
+    had_instance_forward: bool
 
 
 def _param_wrapper_type():
@@ -133,8 +140,9 @@ def route(model: nn.Module) -> int:
     are routed (already routed ones included; calling twice changes nothing)."""
     count = 0
     for module, spec in _candidates(model):
-        if not isinstance(module.__dict__.get("forward"), _RoutedForward):
-            module.forward = _RoutedForward(module, spec)
+        if _ROUTED not in vars(module):
+            restore = _class_forward.install(module, _routed_experts_forward)
+            setattr(module, _ROUTED, _Routed(spec.activation, *restore))
         count += 1
     return count
 
@@ -143,8 +151,9 @@ def unroute(model: nn.Module) -> int:
     """Undo :func:`route` on ``model``; return how many modules were restored."""
     count = 0
     for module in list(model.modules()):
-        if isinstance(module.__dict__.get("forward"), _RoutedForward):
-            del module.forward  # the instance attribute; the class's forward shows again
+        routed = vars(module).pop(_ROUTED, None)
+        if routed is not None:
+            _class_forward.restore(module, *routed[1:])
             count += 1
     return count
 
@@ -189,11 +198,19 @@ def _lora(spec: _Spec):
     )
 
 
-def _routed_forward(self, spec, hidden_states, top_k_index, top_k_weights):
+def _routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The forward of every routed module's class (one function for all layers: Dynamo guards
+    the class, so compiling layer by layer compiles one graph for all of them, where a forward
+    object per module compiled one per layer)."""
+    routed = getattr(self, _ROUTED, None)
+    if routed is None:  # unrouted, its class kept: see _class_forward.restore
+        return _class_forward.base_forward(self)(hidden_states, top_k_index, top_k_weights)
+    wrappers, base = _chain(self, _param_wrapper_type())
+    spec = _Spec(base, wrappers, routed.activation)
     lora = _lora(spec) if spec.wrappers else None
     if lora == "many":
-        CALLS["peft_fallback"] += 1
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+        _count("peft_fallback")
+        return _class_forward.base_forward(self)(hidden_states, top_k_index, top_k_weights)
     base = spec.base
     out = moe_mlp(
         hidden_states,
@@ -210,5 +227,13 @@ def _routed_forward(self, spec, hidden_states, top_k_index, top_k_weights):
         alpha=float(getattr(base, "alpha", 1.702)),
         limit=float(getattr(base, "limit", 7.0)),
     )
-    CALLS["moe_mlp"] += 1
+    _count("moe_mlp")
     return out.to(hidden_states.dtype)
+
+
+def _count(name: str) -> None:
+    """Count an eager call in :data:`CALLS`. Not while compiling: Dynamo would guard on the
+    count's value and compile again on every call. Compiled runs are seen through the
+    profiler instead (``fusetune::moe_forward`` / ``moe_backward`` events run inside graphs)."""
+    if not torch.compiler.is_compiling():
+        CALLS[name] += 1
