@@ -72,7 +72,7 @@ class FusedHead:
     """Stands in for ``trl.trainer.utils._ChunkedLogProbFunction``: the same ``apply`` and the
     same five outputs (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)."""
 
-    calls = 0  # fusetune-served calls, for tests and for users who check the route
+    calls = 0  # fusetune-served eager calls, for tests and for users who check the route
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -113,7 +113,10 @@ def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, out
         # TRL computes in hidden's dtype outside autocast (cast_lm_head_to_fp32): so do we
         weight = weight.float()
         bias = None if bias is None else bias.float()
-    FusedHead.calls += 1
+    # eager calls alone are counted: Dynamo would guard a traced count's value and compile
+    # again on every call
+    if not torch.compiler.is_compiling():
+        FusedHead.calls += 1
     out = selective_log_softmax(
         hidden,
         weight,
