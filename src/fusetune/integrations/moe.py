@@ -5,9 +5,9 @@ builds (Qwen3-MoE, Qwen3.5-MoE, Mixtral, gpt-oss, and any other with 3-D ``gate_
 ``down_proj``, a gate and a SiLU or gpt-oss activation) and gives that module a forward, through
 its class (:mod:`fusetune.integrations._class_forward`: one forward for every layer, so that
 compiling layer by layer compiles one graph for all of them), that calls the fused op on its own
-parameters, in place (no copy, no new parameters). The
-router, its top-k, the routing weights and the auxiliary load-balancing loss stay transformers'
-own: only ``experts(hidden, top_k_index, top_k_weights)`` changes. ``unroute(model)`` restores.
+parameters, in place (no copy, no new parameters). The router, its top-k, the routing weights
+and the auxiliary load-balancing loss stay transformers' own: only ``experts(hidden,
+top_k_index, top_k_weights)`` changes. ``unroute(model)`` restores.
 
 PEFT: LoRA on the experts through PEFT 0.21's ``LoraConfig(target_parameters=[...
 "gate_up_proj", ..."down_proj"])`` wraps the experts module in (nested) ``ParamWrapper``
