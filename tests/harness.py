@@ -260,3 +260,23 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo compiled in this process so far (torch._dynamo.reset() keeps the count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def fused_ops_run(step: Callable[[], object]) -> dict[str, int]:
+    """fusetune's custom ops that ``step()`` executes, by name, with how often each ran (the
+    profiler records ops inside compiled graphs too, forward and backward)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("fusetune::"):
+            name = event.name.removeprefix("fusetune::")
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 import fusetune
 from fusetune.finetune import distributed, main
 from fusetune.finetune.output import MARKER
-from harness import assert_close, free_port
-from test_compile_layers import BACKEND, TOL, batches, graphs_compiled, lora_model, train
+from harness import assert_close, free_port, graphs_compiled
+from test_compile_layers import BACKEND, TOL, batches, lora_model, train
 
 pytest.importorskip("peft")
 pytestmark = [

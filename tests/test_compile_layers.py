@@ -16,7 +16,7 @@ import torch
 import fusetune
 from fusetune.finetune import main
 from fusetune.finetune.output import MARKER
-from harness import DEVICE, ON_GPU, assert_close
+from harness import DEVICE, ON_GPU, assert_close, fused_ops_run, graphs_compiled
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -107,25 +107,6 @@ def train(model, data) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]
         graphs.append(graphs_compiled())
     params = {n: p.detach().clone() for n, p in trainable.items()}
     return torch.stack(losses).cpu(), params, graphs, ran
-
-
-def graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-def fused_ops_run(step) -> dict[str, int]:
-    """fusetune's custom ops that ``step()`` executes, by name, with how often each ran (the
-    profiler records ops inside compiled graphs too, forward and backward)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.name.startswith("fusetune::"):
-            name = event.name.removeprefix("fusetune::")
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fusetune
-from harness import DEVICE, ON_GPU, assert_close
+from harness import DEVICE, ON_GPU, assert_close, fused_ops_run, graphs_compiled
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,24 +47,6 @@ def qwen3_5(fused: bool) -> torch.nn.Module:
     return fusetune.apply(model) if fused else model
 
 
-def graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-def fused_ops(step) -> dict[str, int]:
-    """fusetune's custom ops ``step()`` ran, by name (the profiler sees them inside graphs)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.name.startswith("fusetune::"):
-            name = event.name.removeprefix("fusetune::")
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def train(model, compiled: bool):
     """STEPS SGD steps, each layer compiled on its own when ``compiled``: (losses, gradients of
     every step, graphs compiled after each step, fusetune's ops of the last step). A patched
@@ -92,7 +74,7 @@ def _train(model, compiled: bool):
             loss.backward()
             losses.append(loss.detach())
 
-        ran = fused_ops(step) if index == STEPS - 1 else step()
+        ran = fused_ops_run(step) if index == STEPS - 1 else step()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         optimizer.step()
         optimizer.zero_grad()
