@@ -211,10 +211,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if main_rank():
             report(args, spec, trainer, tokenizer, runs, state)
-    finally:
-        # every rank waits for rank 0's output, then leaves the process group: a rank exiting
-        # early with its gloo group up aborted now and then on CPU ranks ("terminate called
-        # without an active exception"; seen under ZeRO-3, once more in a 2-rank test run)
+    finally:  # every rank waits for rank 0's output, then leaves the process group
         finish(Ranks(int(os.environ.get("RANK", "0")), world_size()))
     return 0
 
