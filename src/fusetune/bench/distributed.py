@@ -343,7 +343,8 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _variant_name(row: dict[str, Any]) -> str:
-    base, compiled = row["variant"].removesuffix("-compiled"), row["variant"].endswith("compiled")
+    variant = row["variant"]
+    base, compiled = variant.removesuffix("-compiled"), variant.endswith("-compiled")
     if row["mode"] == "lora":
         base = "hf+peft" if base == "hf" else f"hf+peft+{base}"
     return base + (", compiled" if compiled else "")

@@ -95,11 +95,11 @@ class _ChunkRun:
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         self.h_buf = _utils.empty(self.state_shape, f32, device)  # chunk start states
         dot = gdr_chunk.dot_mode()
-        if dot != 2 and self.bt < 32 and not _utils.INTERPRET:
+        smallest = gdr_chunk.min_block(dot)
+        if self.bt < smallest and not _utils.INTERPRET:
             raise ValueError("FUSETUNE_GDR_CHUNK=16 needs FUSETUNE_GDR_DOT=ieee: tensor-core "
                              "products on 16-wide tiles fault under Triton 3.6 (see "
                              "gdr_chunk.min_block)")
-        smallest = gdr_chunk.min_block(dot)
         self.bk = max(smallest, plan.BK)
         self.bva = max(smallest, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(smallest, plan.BV)
