@@ -91,6 +91,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--split3-only", metavar="SAVE", help="time split3 (l2norm) alone and save its output "
+        "and gradients to SAVE (a .pt), to compare two source trees run one after the other",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     shape = (args.batch, args.seq_len, HEADS, DIM)
@@ -100,6 +104,9 @@ def main() -> None:
         F.normalize(x.detach().float(), dim=-1).to(x.dtype).requires_grad_() for x in leaves[:2]
     ]
     unit_leaves = unit + leaves[2:]
+    if args.split3_only:
+        split3_only(ours(leaves, "split3", True), leaves, grad_out, args)
+        return
     # The torch loop and the IEEE baseline first: a CUDA fault in split3 ends the process.
     providers = {"fusetune ieee": (ours(leaves, "ieee", True), leaves)}
     torch_loop = _transformers_torch()
@@ -139,6 +146,18 @@ def main() -> None:
         print(f"{name:28s} {both:11.2f} {fwd:8.2f} {peak:9.0f} {speedup:>9s}")
     print("\nsplit3 (l2norm), one fwd+bwd step, GPU time per kernel:")
     profile(*providers["fusetune split3"], grad_out)
+
+
+def split3_only(forward, leaves, grad_out, args) -> None:
+    fwd_bwd, fwd_only = make_run(forward, leaves, grad_out)
+    times = [timed(fwd_bwd, args.repeats) for _ in range(3)]
+    print(
+        f"split3 l2norm B{args.batch} T{args.seq_len}: fwd+bwd ms min/median/max of 3 medians "
+        f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}; "
+        f"fwd {timed(fwd_only, args.repeats):.2f} ms; peak {peak_mib(fwd_bwd):.0f} MiB"
+    )
+    torch.save([t.cpu() for t in results(forward, leaves, grad_out)], args.split3_only)
+    profile(forward, leaves, grad_out)
 
 
 def profile(forward, leaves, grad_out) -> None:

@@ -57,7 +57,7 @@ OVERRIDES = {  # option -> config key
     "head_dim": "head_dim",
     "vocab": "vocab_size",
 }
-PACKAGES = ("fusetune", "torch", "peft", "transformers", "triton")
+PACKAGES = ("fusetune", "torch/distributed", "torch", "peft", "transformers", "triton")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Part of the test suite on the GPU, verbose (one line per test, so a cut-off run still names
+# every result), under a hard deadline: pytest runs in the background writing to a file, and is
+# killed with its xdist workers at the deadline (a worker stuck in CUDA kept `timeout | tee` open
+# for the whole call once). Usage: DEADLINE_S=280 bash tools/gpu_suite_part.sh tests/test_x.py ...
+set -u
+OUT=${OUT:-/tmp/fusetune-gpu-suite}
+mkdir -p "$OUT"
+if ls .bnb/*.whl .ds/*.whl .trl/*.whl .peers/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .bnb/*.whl .ds/*.whl \
+    .trl/*.whl .peers/*.whl >"$OUT/pip.txt" 2>&1
+fi
+export PYTHONPATH=${SRC:-src}:tests:/tmp/site PYTHONUNBUFFERED=1  # SRC: another source tree
+log="$OUT/suite-part.txt"
+setsid python3 -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider -rfE -o faulthandler_timeout=150 \
+  "$@" >"$log" 2>&1 &
+pid=$!
+deadline=$((SECONDS + ${DEADLINE_S:-280}))
+while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 2; done
+if kill -0 "$pid" 2>/dev/null; then
+  echo "=== deadline: killed at $SECONDS s; still running:" | tee -a "$log"
+  kill -9 -- -"$pid" 2>/dev/null
+fi
+grep -oE "^\[gw[0-9]+\] \[ *[0-9]+%\] [A-Z]+" "$log" | awk '{print $NF}' | sort | uniq -c
+grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$log" | head -40
+grep -E "^(FAILED|ERROR) " "$log" | tail -40
+echo "done in $SECONDS s"
