@@ -37,3 +37,55 @@ def _poison_and_seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     with _utils.poison_outputs():
         yield
+
+
+GATED_DELTA_MODELING = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _unpatched_gated_delta_runs_transformers_torch_loop():
+    """The unpatched Qwen3.5 / Qwen3-Next models the tests compare against run transformers'
+    own torch loop for the delta rule, also where flash-linear-attention is installed: the GPU
+    pass carries FLA as a bench peer, transformers then picks it, and FLA 0.6 refuses its
+    backward on Hopper with Triton < 3.7.1 (every unpatched reference failed). Pinned at both
+    of transformers' seams (see fusetune/integrations/gated_delta.py): the modeling module's
+    ``torch_*_gated_delta_rule`` names (hub / FLA wrappers keep the torch function as
+    ``__wrapped__``) and, in versions that bind the kernel per layer, the layer's attributes."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        yield
+        return
+    from fusetune.integrations.gated_delta import LAYER_CLASSES, SEAMS
+
+    patch = pytest.MonkeyPatch()
+    for family in GATED_DELTA_MODELING:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        torch_loops = {}
+        for name, attribute, _ in SEAMS:
+            function = getattr(module, name, None)
+            if function is not None:
+                torch_loops[attribute] = getattr(function, "__wrapped__", function)
+                patch.setattr(module, name, torch_loops[attribute])
+        for class_name in LAYER_CLASSES:
+            layer_class = getattr(module, class_name, None)
+            if layer_class is not None:
+                patch.setattr(layer_class, "__init__", _pinned_init(layer_class, torch_loops))
+    yield
+    patch.undo()
+
+
+def _pinned_init(layer_class, torch_loops):
+    original = layer_class.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for attribute, function in torch_loops.items():
+            if attribute in vars(self):
+                setattr(self, attribute, function)
+
+    return init

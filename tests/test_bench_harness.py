@@ -282,3 +282,18 @@ def test_cuda_run_measures_time_memory_and_floor(tmp_path: Path, cuda_device: to
     assert leaky["retained_gib"] * 1024 == pytest.approx(64, abs=1) and "grads" in leaky["note"]
     assert 0 < row["floor_fraction"] < 1.5
     assert _rows_by_provider(rows)["broken"]["error"].startswith("RuntimeError")
+
+
+def test_kernel_kinds_of_a_profiled_step():
+    """Names from an FSDP2 LoRA step's profile (2x H200): NCCL's kernels were counted as Triton."""
+    from fusetune.bench.cases_e2e import kernel_kind
+
+    names = {
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>": "pytorch",
+        "_lora_glu_backward_kernel": "triton",
+    }
+    assert {name: kernel_kind(name) for name in names} == names

@@ -92,15 +92,17 @@ def assert_same_training(got, want) -> None:
 
 
 def test_qwen3_moe_layers_compile_as_plain_transformers_layers():
-    """Experts routed through moe_mlp (fusetune.apply): as many graphs as plain transformers'
-    layers, one for all four (fusetune's were 4 after one step, 8 after two: a forward object
-    per experts module, and a call count Dynamo guarded); moe_mlp forward and backward in
-    every layer of the compiled step; the losses and gradients of eager transformers. Plain
-    runs first: a live patched model fuses its family's rope."""
+    """Experts routed through moe_mlp (fusetune.apply): no more graphs than plain transformers'
+    layers, and none again on the next step (fusetune's were 4 after one step, 8 after two: a
+    forward object per experts module, and a call count Dynamo guarded); moe_mlp forward and
+    backward in every layer of the compiled step; the losses and gradients of eager
+    transformers. Plain runs first: a live patched model fuses its family's rope. (Plain layers
+    share one graph on the CPU with transformers 5.23; the GPU pass, CUDA with 5.17, compiled
+    one per layer.)"""
     plain = train(qwen3_moe(fused=False), compiled=True)
     want = train(qwen3_moe(fused=False), compiled=False)
     got = train(qwen3_moe(fused=True), compiled=True)
-    assert plain[2][0] == plain[2][-1] < LAYERS, plain[2]  # shared, no recompile
+    assert plain[2][0] == plain[2][-1] <= LAYERS, plain[2]  # no recompile
     assert got[2][0] == got[2][-1] <= plain[2][0], (got[2], plain[2])
     assert got[3].get("moe_forward") == got[3].get("moe_backward") == LAYERS, got[3]
     assert_same_training(got, want)

@@ -429,9 +429,11 @@ def profile_step(step: Callable[[], torch.Tensor], top: int = 15) -> dict[str, A
 
 
 def kernel_kind(name: str) -> str:
-    """A CUDA kernel's kind, from its name (cuBLAS on Hopper: nvjet / sm90 xmma / cutlass)."""
+    """A CUDA kernel's kind, from its name (cuBLAS on Hopper: nvjet / sm90 xmma / cutlass).
+    NCCL's kernels count the time they wait for the other ranks too: "collective", apart."""
     lower = name.lower()
     kinds = (
+        ("collective", ("nccl",)),
         ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk")),
         ("attention", ("flash", "fmha", "attention", "sdpa")),
         ("optimizer", ("adam", "multi_tensor", "foreach")),
