@@ -18,8 +18,13 @@ pid=$!
 deadline=$((SECONDS + ${DEADLINE_S:-280}))
 while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 2; done
 if kill -0 "$pid" 2>/dev/null; then
-  echo "=== deadline: killed at $SECONDS s; still running:" | tee -a "$log"
   kill -9 -- -"$pid" 2>/dev/null
+  echo "=== deadline: killed at $SECONDS s; collected but without a result:" | tee -a "$log"
+  timeout 60 python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null \
+    | grep "::" | sort >"$OUT/collected.txt"
+  grep -oE "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) tests/[^ ]+" "$log" | awk '{print $2}' \
+    | sort >"$OUT/finished.txt"
+  comm -23 "$OUT/collected.txt" "$OUT/finished.txt" | tee "$OUT/unfinished.txt" | head -60
 fi
 grep -oE "^\[gw[0-9]+\] \[ *[0-9]+%\] [A-Z]+" "$log" | awk '{print $NF}' | sort | uniq -c
 grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$log" | head -40
