@@ -102,6 +102,10 @@ def test_jobs_order_and_choices():
     compiled = {**zero3, "variant": "fusetune-compiled"}
     assert distributed.not_run(compiled, cuda=True).endswith("run under FSDP2")
     assert distributed._variant_name({**found[3], "variant": "hf-compiled"}) == "hf+peft, compiled"
+    replicated = {**found[3], "variant": "fusetune-shard-lora"}
+    assert distributed.not_run(replicated, cuda=True) is None
+    assert distributed.not_run({**replicated, "mode": "full"}, cuda=True).endswith("for LoRA")
+    assert distributed._variant_name(replicated) == "hf+peft+fusetune, adapters replicated"
     args.variants = "hf,nope"
     with pytest.raises(SystemExit, match="--variants: unknown"):
         distributed.jobs(args, tiny=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 import fusetune
 from fusetune.finetune import distributed, main
@@ -57,11 +58,16 @@ def sharded_runs(rank: int, port: int, results: str) -> None:
         distributed.shard(model)
         before = graphs_compiled()
         losses, params, graphs, _ = train(model, batches(STEPS))
-        params = {name: param.full_tensor().cpu() for name, param in params.items()}
+        params = {name: whole(param).cpu() for name, param in params.items()}
         runs[fused] = (losses, params, [count - before for count in graphs])
     if rank == 0:
         torch.save(runs, results)
     dist.destroy_process_group()
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter gathered; a replicated one (shard_lora's adapters) as it is."""
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
 def test_compiled_sharded_layers_share_graphs_and_train_as_eager(tmp_path):

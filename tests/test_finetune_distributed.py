@@ -41,7 +41,7 @@ def test_two_ranks_match_one_process(tmp_path):
     mp.spawn(rank_main, args=(free_port(), str(two)), nprocs=WORLD, join=True)
     want = json.loads((one / MARKER).read_text())["runs"][0]
     got = json.loads((two / MARKER).read_text())["runs"][0]
-    assert "2 ranks" in got["label"]
+    assert "2 ranks (FSDP2, adapters replicated)" in got["label"]  # shard_lora
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
     from safetensors.torch import load_file
 

@@ -6,7 +6,8 @@ Models (random weights, shapes of ``cases_e2e.SHAPES``), fp32 parameters:
 - full fine-tuning under FSDP2: the head untied and sharded on its own (as torchtitan does; the
   layout where a fused loss must gather a sharded head), every decoder layer, then the root;
 - LoRA (PEFT r=16 alpha=32 on every linear layer, base frozen) under FSDP2: the real tied
-  embeddings, the head in the root group;
+  embeddings, the head in the root group; variant fusetune-shard-lora shards the base alone
+  (fusetune.integrations.fsdp.shard_lora: the adapters replicated, in fp32);
 - ZeRO-3 (either mode): the real tied embeddings, DeepSpeed partitions everything.
 FSDP2 runs with ``MixedPrecisionPolicy(bf16 parameters, fp32 reductions)``, fp32 masters and
 torch's fused AdamW; ZeRO-3 with ``bf16`` on (bf16 parameters, fp32 masters) and
@@ -88,16 +89,23 @@ def build(job: dict[str, Any], device: torch.device) -> torch.nn.Module:
     return model
 
 
-def fsdp2_step(model: torch.nn.Module, untied_head: bool):
+def fsdp2_step(model: torch.nn.Module, untied_head: bool, replicate_adapters: bool = False):
+    """The step under FSDP2; ``replicate_adapters``: shard_lora's layout (the base sharded,
+    the adapters whole on every rank, in fp32: the policy casts only what FSDP2 manages)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fusetune.integrations.fsdp import shard_lora
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for layer in causal.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    if untied_head:
-        fully_shard(causal.lm_head, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    if replicate_adapters:
+        shard_lora(model, layers=list(causal.model.layers), mp_policy=policy)
+    else:
+        for layer in causal.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        if untied_head:
+            fully_shard(causal.lm_head, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     trained = [p for p in model.parameters() if p.requires_grad]
     fused = next(iter(trained)).device.type == "cuda"
     optimizer = torch.optim.AdamW(trained, lr=LR, fused=fused)
@@ -192,7 +200,8 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     if job["engine"] == "zero3":
         step = zero3_step(model, job["batch"])
     else:
-        step = fsdp2_step(model, untied_head=job["mode"] == "full")
+        step = fsdp2_step(model, untied_head=job["mode"] == "full",
+                          replicate_adapters=job["variant"] == "fusetune-shard-lora")  # fmt: skip
         if job["variant"].endswith("-compiled"):
             compile_each_layer(model, device)
     generator = torch.Generator().manual_seed(dist.get_rank())

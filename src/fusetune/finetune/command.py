@@ -275,7 +275,8 @@ def train_once(
         check_space(Path(args.output), checkpoint.estimate_bytes(model), "a checkpoint")
     if args.ranks.world > 1:
         distributed.shard(model)
-        label += f" on {args.ranks.world} ranks (FSDP2)"
+        layout = ", adapters replicated" if distributed.is_lora(model) else ""
+        label += f" on {args.ranks.world} ranks (FSDP2{layout})"
     settings = TrainSettings(
         args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks,
         args.lr_schedule, args.warmup_steps, args.skip_nonfinite, bool(args.compile),

@@ -42,15 +42,26 @@ def setup(device: torch.device) -> tuple[Ranks, torch.device]:
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 over every layer transformers checkpoints (the decoder layers), then the root."""
+    """FSDP2 over every layer transformers checkpoints (the decoder layers), then the root. A
+    LoRA model's adapters stay whole on every rank (:func:`fusetune.integrations.fsdp.shard_lora`:
+    FSDP2's per-parameter work is what a LoRA step waits on); their gradients are averaged as
+    FSDP2 averages the rest."""
     from torch.distributed.fsdp import fully_shard
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            fully_shard(module)
+    from fusetune.integrations.fsdp import decoder_layers, shard_lora
+
+    if is_lora(model):
+        return shard_lora(model)
+    for layer in decoder_layers(model):
+        fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Some parameters train and some are frozen (the base under its adapters)."""
+    trains = {p.requires_grad for p in model.parameters()}
+    return trains == {True, False}
 
 
 def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""fusetune.integrations.fsdp.shard_lora at 2 ranks against FSDP2 sharding everything, on the
+same batches: a PEFT LoRA tiny Llama under fusetune.apply, two micro-batches accumulated per
+step, AdamW. Per-step losses, the adapters' gradients and their updated values agree in fp32;
+the adapters stay plain tensors (replicated) while the base is sharded; the fused LoRA op runs.
+Gloo on the CPU, NCCL on a machine with 2 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+import fusetune
+from fusetune.integrations import peft as peft_integration
+from fusetune.integrations.fsdp import shard_lora
+from harness import assert_close
+from test_transformers import ADAM_EPS, LR, lora_model
+
+peft = pytest.importorskip("peft")
+WORLD, STEPS, MICRO, ROWS, SEQ = 2, 2, 2, 2, 8
+NCCL = torch.cuda.device_count() >= WORLD
+
+
+def batches(vocab: int) -> list[torch.Tensor]:
+    """STEPS x MICRO batches of WORLD * ROWS rows: each rank trains on its ROWS."""
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (WORLD * ROWS, SEQ), generator=generator)
+            for _ in range(STEPS * MICRO)]  # fmt: skip
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def train(model, rank: int, device: torch.device) -> tuple[list[float], list[dict]]:
+    """(losses averaged over ranks, adapter gradients per step)."""
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(trained.values(), lr=LR, eps=ADAM_EPS)
+    data = batches(model.config.vocab_size)
+    losses, grads = [], []
+    for step in range(STEPS):
+        total = torch.zeros((), device=device)
+        for ids in data[step * MICRO : (step + 1) * MICRO]:
+            rows = ids.chunk(WORLD)[rank].to(device)
+            loss = model(input_ids=rows, labels=rows).loss / MICRO
+            loss.backward()
+            total += loss.detach()
+        grads.append({n: full(p.grad) for n, p in trained.items()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append(total.item() / WORLD)
+    return losses, grads
+
+
+def worker(rank: int, init_file: str, results: str) -> None:
+    dist.init_process_group("nccl" if NCCL else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=WORLD)  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
+    runs = {layout: run(layout, rank, device) for layout in ("all-sharded", "shard_lora")}
+    if rank == 0:
+        torch.save(runs, results)
+    dist.destroy_process_group()
+
+
+def run(layout: str, rank: int, device: torch.device) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = lora_model("llama", num_hidden_layers=2).to(device)
+    fusetune.apply(model)
+    if layout == "shard_lora":
+        shard_lora(model)
+    else:
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    calls = []
+    fused = peft_integration.lora_linear_validated
+    peft_integration.lora_linear_validated = lambda *a: calls.append(1) or fused(*a)
+    try:
+        losses, grads = train(model, rank, device)
+    finally:
+        peft_integration.lora_linear_validated = fused
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return {
+        "losses": losses,
+        "grads": grads,
+        "adapters": {n: full(p) for n, p in model.named_parameters() if p.requires_grad},
+        "replicated": not any(isinstance(p, DTensor) for p in trained),
+        "base sharded": all(isinstance(p, DTensor) for p in frozen),
+        "lora calls": len(calls),
+    }
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() == 1,
+    reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
+)
+def test_shard_lora_trains_as_fsdp2_sharding_everything(tmp_path):
+    results = tmp_path / "rank0.pt"
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(results)), nprocs=WORLD, join=True)
+    runs = torch.load(results)
+    got, want = runs["shard_lora"], runs["all-sharded"]
+    assert got["replicated"] and got["base sharded"] and not want["replicated"]
+    assert got["lora calls"] == want["lora calls"] > 0
+    assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-6)
+    for step, (grads, want_grads) in enumerate(zip(got["grads"], want["grads"], strict=True)):
+        assert grads.keys() == want_grads.keys() and want_grads
+        for name, grad in want_grads.items():
+            assert_close(f"step {step} grad {name}", grads[name], grad, 1e-5, atol=1e-9)
+    for name, value in want["adapters"].items():
+        assert_close(f"adapter {name}", got["adapters"][name], value, 1e-5)
+
+
+def test_shard_lora_refuses_what_it_cannot_shard():
+    """The checks come before any collective: no process group needed."""
+    model = lora_model("llama", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="layers: none given"):
+        shard_lora(model, layers=[])
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="model: no trainable parameter"):
+        shard_lora(model)
+    model.requires_grad_(True)
+    with pytest.raises(ValueError, match="model: every parameter trains"):
+        shard_lora(model)
