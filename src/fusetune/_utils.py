@@ -143,7 +143,9 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.contiguous().view(-1, tensor.shape[-1])
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# The types plain_eager accepts (None: an absent optional tensor), as one set: a set test of
+# the arguments' types runs in C, where a generator over them cost a Python frame per tensor.
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
 
 
 def plain_eager(*tensors: torch.Tensor | None) -> bool:
@@ -153,7 +155,7 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     (FakeTensor, DTensor) must go through the registered op."""
     if torch.compiler.is_compiling():
         return False
-    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+    return _PLAIN_TYPES.issuperset(map(type, tensors))
 
 
 def matmul_dtype(

@@ -331,38 +331,59 @@ def _glu_backward_op(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b
 # ============================================================================ autograd
 
 
+# Host time: a step is host-bound on the GPU (Llama-3.2-1B LoRA under FSDP2: issuing it takes as
+# long as running it), so these helpers skip calls that do nothing: a cast to the dtype a tensor
+# has (Tensor.to returns the tensor itself, after microseconds of argument parsing), the default
+# alpha of addmm, the slice or split of a single projection's columns (all of them).
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call when t already has that dtype (the same tensor)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``quant4.dense(weight, dtype)``: a dense weight already in dtype is itself."""
+    if weight.dtype == dtype and not quant4.is_4bit(weight):
+        return weight
+    return quant4.dense(weight, dtype)
+
+
 def _add_mm(acc, a, b, alpha, inplace: bool):
     """acc + alpha * a @ b: in place into acc (a fresh buffer of ours) in eager mode; out of
     place when traced, which leaves buffer reuse to the compiler and keeps the traced graph
-    free of mutations (torch 2.11 compiled this op's gradients wrong; see NOTES.md)."""
+    free of mutations (torch 2.11 compiled this op's gradients wrong; see NOTES.md). alpha 1 is
+    addmm's default and is not passed (a keyword costs a parse per call)."""
+    if alpha == 1:
+        return acc.addmm_(a, b) if inplace else torch.addmm(acc, a, b)
     if inplace:
         return acc.addmm_(a, b, alpha=alpha)
     return torch.addmm(acc, a, b, alpha=alpha)
 
 
 def _grad_to(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    return None if grad is None else grad.to(like.dtype)
+    return None if grad is None else _cast(grad, like.dtype)
 
 
 def _transposed_grad(sum_t: torch.Tensor, like: torch.Tensor, wanted: bool):
     """B's gradient [out, r] from the kernel's fp32 [r, out] column sums."""
-    return sum_t.t().contiguous().to(like.dtype) if wanted else None
+    return _cast(sum_t.t().contiguous(), like.dtype) if wanted else None
 
 
 def _scaled(t: torch.Tensor, scaling: float, like: torch.Tensor) -> torch.Tensor:
     """scaling * t in ``like``'s dtype, scaled in fp32 (t is a thin matmul result in the compute
     dtype: one rounding there, and only the final cast after it)."""
-    return (t.float() * scaling).to(like.dtype)
+    return _cast(_cast(t, torch.float32) * scaling, like.dtype)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
-    return F.linear(x, quant4.dense(weight, dtype), None if bias is None else bias.to(dtype))
+    return F.linear(x, _dense(weight, dtype), None if bias is None else _cast(bias, dtype))
 
 
 def _scaled_b(lora_b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
     """s B in the compute dtype (scaled at B's precision, rounded once): folding s into B
     leaves g = dy (s B) already scaled for dA and dx, so neither needs a scaled copy of A."""
-    return (lora_b * scaling).to(dtype)
+    return _cast(lora_b * scaling, dtype)
 
 
 def _thin_grads(xc, dys, xas, scaled_bs, scalings, lora_as, lora_bs, needs_a, needs_b, need_dx):
@@ -383,18 +404,18 @@ def _thin_grads(xc, dys, xas, scaled_bs, scalings, lora_as, lora_bs, needs_a, ne
     grads_a = [None] * len(lora_as)
     if any(needs_a):
         dtypes = {a.dtype for a in lora_as}  # one cast for the usual single adapter dtype
-        stacked = torch.mm(g.t(), xc).to(dtypes.pop() if len(dtypes) == 1 else torch.float32)
-        rows = stacked.split([a.shape[0] for a in lora_as])
+        stacked = _cast(torch.mm(g.t(), xc), dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        rows = _split_rows(stacked, lora_as)
         grads_a = [
-            row.to(a.dtype) if need_a else None
+            _cast(row, a.dtype) if need_a else None
             for row, a, need_a in zip(rows, lora_as, needs_a, strict=True)
         ]
     return grads_a, grads_b, g if need_dx else None
 
 
-def _groups(tensors):
+def _groups(tensors: tuple):
     """(weight, bias, lora_a, lora_b) per projection, from the Functions' flat tensor args."""
-    return [tuple(tensors[i : i + 4]) for i in range(0, len(tensors), 4)]
+    return [tensors[i : i + 4] for i in range(0, len(tensors), 4)]
 
 
 def _without_bias(groups):
@@ -410,18 +431,30 @@ def _with_bias(saved):
 
 def _stacked_a(groups, dtype):
     """The projections' A's stacked [sum r, in] in the compute dtype (one x A^T for all, and
-    one g @ A for dx)."""
-    stacked = [a.to(dtype) for _, _, a, _ in groups]
-    return torch.cat(stacked) if len(stacked) > 1 else stacked[0]
+    one g @ A for dx). fp32 A's (PEFT's) are stacked, then cast once: the same values as casting
+    each (a cast is elementwise), one cast instead of one per A. (Not for 16-bit A's of another
+    dtype: autocast's rule for cat takes no float16 on the CPU.)"""
+    lora_as = [group[2] for group in groups]
+    if len(lora_as) == 1:
+        return _cast(lora_as[0], dtype)
+    first = lora_as[0].dtype
+    if first in (torch.float32, dtype) and all(a.dtype == first for a in lora_as):
+        return _cast(torch.cat(lora_as), dtype)
+    return torch.cat([_cast(a, dtype) for a in lora_as])
 
 
 def _thin_columns(xa_all, groups):
-    """Each projection's [N, r] slice of the stacked x A^T."""
-    slices, start = [], 0
-    for _, _, a, _ in groups:
-        slices.append(xa_all[:, start : start + a.shape[0]])
-        start += a.shape[0]
-    return slices
+    """Each projection's [N, r] columns of the stacked x A^T (one projection's: all of it)."""
+    if len(groups) == 1:
+        return (xa_all,)
+    return xa_all.split_with_sizes([group[2].shape[0] for group in groups], 1)
+
+
+def _split_rows(stacked, lora_as):
+    """Each projection's [r, in] rows of the stacked dA (one projection's: all of it)."""
+    if len(lora_as) == 1:
+        return (stacked,)
+    return stacked.split_with_sizes([a.shape[0] for a in lora_as])
 
 
 def _needs(ctx, groups, first):
@@ -441,10 +474,12 @@ class _LoraProjectionsFunction(torch.autograd.Function):
     def forward(ctx, x, dtype, scalings, *tensors):
         groups = _groups(tensors)
         eager = _utils.plain_eager(x, *tensors)
-        xc = x.to(dtype)
+        xc = _cast(x, dtype)
         stacked_a = _stacked_a(groups, dtype)
         xa_all = torch.mm(xc, stacked_a.t())
-        scaled_bs = [_scaled_b(b, s, dtype) for (*_, b), s in zip(groups, scalings, strict=True)]
+        scaled_bs = [
+            _scaled_b(group[3], s, dtype) for group, s in zip(groups, scalings, strict=True)
+        ]
         outputs = []
         for (weight, bias, _, _), xa, scaled_b in zip(
             groups, _thin_columns(xa_all, groups), scaled_bs, strict=True
@@ -468,18 +503,18 @@ class _LoraProjectionsFunction(torch.autograd.Function):
         needs_a, needs_b = _needs(ctx, groups, 3)
         grad_x = None
         eager = _utils.plain_eager(x, *grads)
-        dys = [grad.to(dtype) for grad in grads]
-        xc = x.to(dtype)
+        dys = [_cast(grad, dtype) for grad in grads]
+        xc = _cast(x, dtype)
         grads_a, grads_b, g = _thin_grads(
             xc, dys, _thin_columns(xa_all, groups), scaled_bs, ctx.scalings,
             [grp[2] for grp in groups], [grp[3] for grp in groups], needs_a, needs_b, need_x,
         )
         if need_x:
-            grad_x = torch.mm(dys[0], quant4.dense(groups[0][0], dtype))
+            grad_x = torch.mm(dys[0], _dense(groups[0][0], dtype))
             for dy, (weight, *_) in zip(dys[1:], groups[1:], strict=True):
-                grad_x = _add_mm(grad_x, dy, quant4.dense(weight, dtype), 1, eager)
+                grad_x = _add_mm(grad_x, dy, _dense(weight, dtype), 1, eager)
             grad_x = _add_mm(grad_x, g, stacked_a, 1, eager)
-            grad_x = grad_x.to(x.dtype)
+            grad_x = _cast(grad_x, x.dtype)
         per_projection = [(None, None, ga, gb) for ga, gb in zip(grads_a, grads_b, strict=True)]
         return (grad_x, None, None, *(g for grads in per_projection for g in grads))
 
@@ -496,16 +531,16 @@ class _LoraMLPFunction(torch.autograd.Function):
         s_gate, s_up, s_down = scalings
         eager = _utils.plain_eager(x, *tensors)
         glu = _glu_forward if eager else _glu_forward_op
-        xc = x.to(dtype)
+        xc = _cast(x, dtype)
         xa_gate_up = torch.mm(xc, _stacked_a(groups[:2], dtype).t())
         xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
         gate = _linear(xc, w_gate, bias_gate, dtype)
         up = _linear(xc, w_up, bias_up, dtype)
-        h = glu(gate, up, xa_gate, xa_up, b_gate.to(dtype), b_up.to(dtype), s_gate, s_up,
+        h = glu(gate, up, xa_gate, xa_up, _cast(b_gate, dtype), _cast(b_up, dtype), s_gate, s_up,
                 activation)
-        xa_down = torch.mm(h, a_down.to(dtype).t())
+        xa_down = torch.mm(h, _cast(a_down, dtype).t())
         y = _linear(h, w_down, bias_down, dtype)
-        y = _add_mm(y, xa_down, b_down.to(dtype).t(), s_down, eager)
+        y = _add_mm(y, xa_down, _cast(b_down, dtype).t(), s_down, eager)
         ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *_without_bias(groups))
         ctx.dtype, ctx.activation, ctx.scalings = dtype, activation, scalings
         ctx.flags = tuple(ctx.needs_input_grad)  # (see _LoraProjectionsFunction.forward)
@@ -523,7 +558,7 @@ class _LoraMLPFunction(torch.autograd.Function):
         )
         need_x = ctx.flags[0]
         grad_x = grad_a_gate = grad_b_gate = grad_a_up = grad_b_up = grad_a_down = None
-        dy = grad_y.to(dtype)
+        dy = _cast(grad_y, dtype)
         eager = _utils.plain_eager(x, grad_y)
         _, _, a_down, b_down = groups[2]
         grad_b_down = None
@@ -531,9 +566,8 @@ class _LoraMLPFunction(torch.autograd.Function):
             grad_b_down = _scaled(torch.mm(dy.t(), xa_down), s_down, b_down)
         upstream = (need_x, needs_a_gate, needs_a_up, need_a_down, need_b_gate, need_b_up)
         if any(upstream):
-            grad_gate, grad_up, sums = _mlp_activation_backward(
-                ctx, groups, dy, gate, up, xa_gate_up
-            )
+            xas = _thin_columns(xa_gate_up, groups[:2])
+            grad_gate, grad_up, sums = _mlp_activation_backward(ctx, groups, dy, gate, up, xas)
             del gate, up  # (eager: grad_gate and grad_up are these buffers, overwritten)
             sum_a_down, sum_b_gate, sum_b_up = sums
             grad_a_down = _grad_to(sum_a_down, a_down) if need_a_down else None
@@ -543,31 +577,31 @@ class _LoraMLPFunction(torch.autograd.Function):
             scaled_bs = [_scaled_b(gate_group[3], s_gate, dtype),
                          _scaled_b(up_group[3], s_up, dtype)]
             (grad_a_gate, grad_a_up), _, g = _thin_grads(
-                x.to(dtype), (grad_gate, grad_up), _thin_columns(xa_gate_up, groups[:2]),
-                scaled_bs, (s_gate, s_up), (gate_group[2], up_group[2]),
-                (gate_group[3], up_group[3]),
+                _cast(x, dtype), (grad_gate, grad_up), xas, scaled_bs, (s_gate, s_up),
+                (gate_group[2], up_group[2]), (gate_group[3], up_group[3]),
                 (needs_a_gate, needs_a_up), (False, False), need_x,
             )
             if need_x:
-                grad_x = torch.mm(grad_gate, quant4.dense(gate_group[0], dtype))
-                grad_x = _add_mm(grad_x, grad_up, quant4.dense(up_group[0], dtype), 1, eager)
+                grad_x = torch.mm(grad_gate, _dense(gate_group[0], dtype))
+                grad_x = _add_mm(grad_x, grad_up, _dense(up_group[0], dtype), 1, eager)
                 grad_x = _add_mm(grad_x, g, _stacked_a(groups[:2], dtype), 1, eager)
-                grad_x = grad_x.to(x.dtype)
+                grad_x = _cast(grad_x, x.dtype)
         return (grad_x, None, None, None, None, None, grad_a_gate, grad_b_gate, None, None,
                 grad_a_up, grad_b_up, None, None, grad_a_down, grad_b_down)
 
 
-def _mlp_activation_backward(ctx, groups, dy, gate, up, xa_gate_up):
+def _mlp_activation_backward(ctx, groups, dy, gate, up, xas):
     """(dgate, dup, (s_d g_d^T h, s_g xa_g^T dgate, s_u xa_u^T dup)) through the backward
-    kernel. In eager mode dgate and dup overwrite the saved gate and up."""
+    kernel (``xas``: the saved xa_gate and xa_up). In eager mode dgate and dup overwrite the
+    saved gate and up."""
     dtype = ctx.dtype
     (_, _, _, b_gate), (_, _, _, b_up), (w_down, _, a_down, b_down) = groups
     s_gate, s_up, s_down = ctx.scalings
-    xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
-    g_down = torch.mm(dy, b_down.to(dtype))
-    grad_h = torch.mm(dy, quant4.dense(w_down, dtype))  # without its LoRA term: the kernel adds it
-    args = (grad_h, g_down, a_down.to(dtype), s_down, gate, up, xa_gate, xa_up,
-            b_gate.to(dtype), b_up.to(dtype), s_gate, s_up, ctx.activation)
+    xa_gate, xa_up = xas
+    g_down = torch.mm(dy, _cast(b_down, dtype))
+    grad_h = torch.mm(dy, _dense(w_down, dtype))  # without its LoRA term: the kernel adds it
+    args = (grad_h, g_down, _cast(a_down, dtype), s_down, gate, up, xa_gate, xa_up,
+            _cast(b_gate, dtype), _cast(b_up, dtype), s_gate, s_up, ctx.activation)
     if not _utils.plain_eager(dy, gate, up):
         grad_gate, grad_up, *sums = _glu_backward_op(*args)
         return grad_gate, grad_up, sums
