@@ -80,8 +80,7 @@ def sft_run(model, tmp_path, patch: bool | str):
         disable_tqdm=True,
         seed=0,
     )
-    tokenizer = word_tokenizer(model.config.vocab_size)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer = sft_trainer(model, args, rows)
     if patch == "trainer":
         fusetune.apply(trainer)
     try:
@@ -94,6 +93,39 @@ def sft_run(model, tmp_path, patch: bool | str):
     metrics = {name: torch.tensor([entry[name] for entry in logged]) for name in METRICS}
     updates = {n: (p.detach() - start[n]).float() for n, p in trainable.items()}
     return metrics, updates
+
+
+def sft_trainer(model, args, rows):
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    return trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+
+
+def test_patched_trainer_leaves_another_models_head_to_trl(tmp_path):
+    """TRL's head function is module-wide: while one trainer is patched, a model of another
+    (TRL's fused forward, unpatched) keeps TRL's own kernel; the patched one gets fusetune's."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from fusetune.integrations import trl as trl_integration
+
+    other = tiny_model("llama", num_hidden_layers=1)
+    add_fused_lm_head(other)
+    model = tiny_model("llama", num_hidden_layers=1)
+    rows = datasets.Dataset.from_list([{"input_ids": list(range(3, 11))}])
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=not ON_GPU, bf16=False,
+                         report_to="none", max_steps=1)  # fmt: skip
+    trainer = fusetune.apply(sft_trainer(model, args, rows))
+    ids, _ = make_batches(1)[0]
+    try:
+        calls = trl_integration.FusedHead.calls
+        theirs = other(input_ids=ids, labels=ids, fused_lm_head=True).loss
+        assert trl_integration.FusedHead.calls == calls
+        ours = trainer.model(input_ids=ids, labels=ids, fused_lm_head=True).loss
+        assert trl_integration.FusedHead.calls == calls + 1
+    finally:
+        fusetune.revert(trainer)
+    other_again = other(input_ids=ids, labels=ids, fused_lm_head=True).loss
+    assert torch.equal(theirs, other_again)  # the very kernel TRL runs unpatched
+    assert torch.isfinite(ours)
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])

@@ -318,6 +318,7 @@ def test_unserved_outputs_fall_back_with_a_warning(monkeypatch):
 
     monkeypatch.setitem(trl_integration._state, "original", Original)
     monkeypatch.setitem(trl_integration._state, "warned", set())
+    monkeypatch.setitem(trl_integration._state, "serving", 1)  # inside a patched model's call
     hidden, weight = torch.randn(3, 8), torch.randn(16, 8)
     targets = torch.tensor([1, 2, 3])
     args = (hidden, weight, None, targets, 1.0, 32768, None, 1.0, ("log_probs", "mean_logits"))

@@ -29,9 +29,9 @@ hidden gradients are summed in fp32, as TRL's are. TRL's ``chunk_size`` (a vocab
 tile) is ignored: fusetune sizes its row chunks itself. With ``cast_lm_head_to_fp32`` (fp32
 hidden states outside autocast) the head is computed in fp32, as TRL does.
 
-TRL's head is a module-level function, so while any trainer is patched every fused-head call in
-the process goes through fusetune (as the RoPE patch is per family); :func:`revert` of the last
-patched trainer restores TRL's.
+TRL's head is a module-level function, swapped while any trainer is patched (:func:`revert` of
+the last one restores TRL's); fusetune serves only the calls made inside the fused forwards of
+patched trainers' models, so another trainer in the same process keeps TRL's own kernel.
 
 Sharded heads (FSDP2). With the head in the root's FSDP group (accelerate's FSDP2 plugin: the
 decoder layers, then the root), the root's forward has gathered it and TRL hands fusetune the
@@ -64,7 +64,9 @@ from fusetune.ops.grpo import selective_log_softmax
 TESTED_TRL = ("1.16.0",)
 SERVED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 _MARK = "_fusetune_trl"
-_state = {"original": None, "trainers": 0, "warned": set()}
+# serving: how many patched models' fused forwards are running now (calls outside them are
+# another trainer's: TRL's own kernel serves those)
+_state = {"original": None, "trainers": 0, "warned": set(), "serving": 0}
 _WRAPPED = "_fusetune_trl_forward"  # the model attribute holding TRL's fused forward
 
 
@@ -78,6 +80,9 @@ class FusedHead:
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):  # fmt: skip
         original = _state["original"]
+        if _state["serving"] == 0:  # not a patched trainer's model
+            return original.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                  final_logit_softcapping, logit_scale, outputs)  # fmt: skip
         unserved = [name for name in outputs if name not in SERVED_OUTPUTS]
         if unserved:
             _warn_once(f"TRL asked its fused head for {', '.join(unserved)}, which fusetune does "
@@ -176,7 +181,14 @@ def _wrap_trl_forward(model: torch.nn.Module) -> None:
     trl_forward = model.__dict__["forward"]
 
     @functools.wraps(trl_forward)
-    def forward(*args, fused_lm_head: bool = False, **kwargs):
+    def forward(*args, **kwargs):
+        _state["serving"] += 1
+        try:
+            return route(*args, **kwargs)
+        finally:
+            _state["serving"] -= 1
+
+    def route(*args, fused_lm_head: bool = False, **kwargs):
         head = model.get_output_embeddings() if fused_lm_head else None
         weight = getattr(head, "weight", None)
         partitioned = hasattr(weight, "ds_id")  # ZeRO-3: gathered inside the head's own call
