@@ -11,31 +11,42 @@ GPU (the Autograd Functions, not the reference); one CPU thread, tiny tensors (N
 LoRA training step is host-bound.
 
 Rows:
-- lora_linear / lora_qkv (fp32, bf16; fp32 adapters as PEFT keeps them): the projections
+- lora_linear / lora_qkv (fp32; bf16 with PEFT's fp32 adapters; bf16 with bf16 adapters, as
+  FSDP2's bf16 MixedPrecisionPolicy hands them to the forward): the projections
   Function runs torch matmuls only, so its wall time is host time. Columns: median (over
   ``--repeats``) microseconds per forward and per forward + backward (torch.autograd.grad),
-  Tensor.to calls per forward + backward, and fusetune's own cProfile time per forward +
+  Tensor.to calls and all dtype casts (.to, .float(), ...) that fusetune makes per forward +
+  backward, and fusetune's own cProfile time per forward +
   backward (functions in the fusetune package, Triton-jitted ones excluded).
-- lora_mlp: its Triton kernels run in Triton's interpreter (milliseconds), so only the Tensor.to
-  count and fusetune's own cProfile time are reported (the jitted kernel bodies, which the
+- lora_mlp: its Triton kernels run in Triton's interpreter (milliseconds), so only the cast
+  counts and fusetune's own cProfile time are reported (the jitted kernel bodies, which the
   interpreter runs as Python in fusetune's files, are excluded).
 - --model: one training step (forward with labels, backward) of a 2-layer PEFT LoRA Llama
   after ``fusetune.apply(model, lora=True)``: fusetune's own cProfile time and Tensor.to calls
   per step.
 
-Run notes (2026-11-26, 2 shared CPU cores, torch 2.13 CPU, Triton 3.9 interpreter; N=8, 200
-calls x 7 repeats; before = commit 9f34749 via --src, after = the host-overhead change; two
-alternating runs each, so a range; fwd+bwd in us, .to = Tensor.to calls by fusetune per call):
+Run notes (2026-11-26, 2 CPU cores shared with other jobs (noisy), torch 2.13 CPU, Triton 3.9
+interpreter; N=8, 200 calls x 7 repeats; before = 9f34749 and after = the host-overhead commits,
+each imported with --src, two alternating runs, so a range; fwd+bwd in us; .to = Tensor.to calls
+by fusetune per fwd+bwd, casts = those plus .float() / .bfloat16() / .half()):
 
-    op           dtype    fwd+bwd before  after     .to before  after   own us before  after
-    lora_linear  float32  206-240         158-160   11          0       105-119        86-88
-    lora_qkv     float32  350-361         303-314   25          0       171-174        141-148
-    lora_mlp     float32  -               -         31          0       579-582        497-534
-    lora_linear  bfloat16 321-322         278-283   11          4       113-125        100-101
-    lora_qkv     bfloat16 627-648         589-596   25          8       191-198        167-168
-    lora_mlp     bfloat16 -               -         31          14      609-618        542-561
-    tiny Llama step (fp32): Tensor.to by fusetune 140 -> 10 per step; fusetune own time
-    5.2-5.6 ms either way (mostly the other ops' launchers under the interpreter).
+    op           base/adapters  fwd+bwd before  after    .to before  after  casts before  after
+    lora_linear  fp32/fp32      206-234         159-162  11          0      12            1
+    lora_qkv     fp32/fp32      342-373         293-317  25          0      28            3
+    lora_mlp     fp32/fp32      -               -        31          0      32            1
+    lora_linear  bf16/fp32      307-325         270-272  11          0      12            4
+    lora_qkv     bf16/fp32      655-683         573-611  25          0      28            8
+    lora_mlp     bf16/fp32      -               -        31          0      32            14
+    lora_linear  bf16/bf16      314-323         265-298  11          0      12            2
+    lora_qkv     bf16/bf16      639-647         583-616  25          0      28            6
+    lora_mlp     bf16/bf16      -               -        31          0      32            5
+
+    fusetune own (cProfile) us per fwd+bwd, before -> after: linear fp32 103-119 -> 83-84,
+    qkv fp32 165-197 -> 139-141, linear bf16/bf16 126-141 -> 93-104, qkv bf16/bf16 202-226 ->
+    168-176; lora_mlp 484-622 either way (within the noise: the interpreter's kernel runs
+    between the host calls disturb its own-time). Tiny Llama step (fp32): Tensor.to by fusetune
+    140 -> 10 per step (casts 150 -> 20); fusetune own 5.1-5.8 ms either way (mostly the other
+    ops' launchers under the interpreter).
 """
 
 from __future__ import annotations
@@ -63,10 +74,21 @@ from fusetune.reference.lora import Projection  # noqa: E402
 
 HIDDEN, RANK, SCALING = 64, 4, 2.0
 QKV_OUT = (64, 32, 32)  # GQA: k and v narrower than q
+# (base and x dtype, adapter dtype): fp32; bf16 with PEFT's fp32 adapters; all bf16 (FSDP2's
+# MixedPrecisionPolicy(param_dtype=bf16), as the GPU benchmark runs it)
+CONFIGS = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+)
 TO_KEY = "<method 'to' of 'torch._C.TensorBase' objects>"
+# dtype casts by their own methods (Tensor.float() and the like): counted beside Tensor.to
+CAST_KEYS = {
+    f"<method '{name}' of 'torch._C.TensorBase' objects>" for name in ("float", "bfloat16", "half")
+}
 
 
-def projection(out: int, hidden: int, dtype: torch.dtype, generator: torch.Generator):
+def projection(out: int, hidden: int, dtype, adapters, generator: torch.Generator):
     def tensor(*shape, dt=dtype, grad=False):
         return (
             torch.randn(*shape, generator=generator, dtype=torch.float32)
@@ -76,22 +98,22 @@ def projection(out: int, hidden: int, dtype: torch.dtype, generator: torch.Gener
 
     return Projection(
         tensor(out, hidden),
-        tensor(RANK, hidden, dt=torch.float32, grad=True),
-        tensor(out, RANK, dt=torch.float32, grad=True),
+        tensor(RANK, hidden, dt=adapters, grad=True),
+        tensor(out, RANK, dt=adapters, grad=True),
         SCALING,
     )
 
 
-def cases(tokens: int, dtype: torch.dtype):
+def cases(tokens: int, dtype: torch.dtype, adapters: torch.dtype):
     """name -> (forward, forward + backward) closures of one op on fixed inputs."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, HIDDEN, generator=generator).to(dtype).requires_grad_()
-    single = projection(64, HIDDEN, dtype, generator)
-    qkv = [projection(out, HIDDEN, dtype, generator) for out in QKV_OUT]
+    single = projection(64, HIDDEN, dtype, adapters, generator)
+    qkv = [projection(out, HIDDEN, dtype, adapters, generator) for out in QKV_OUT]
     mlp = [
-        projection(128, HIDDEN, dtype, generator),
-        projection(128, HIDDEN, dtype, generator),
-        projection(HIDDEN, 128, dtype, generator),
+        projection(128, HIDDEN, dtype, adapters, generator),
+        projection(128, HIDDEN, dtype, adapters, generator),
+        projection(HIDDEN, 128, dtype, adapters, generator),
     ]
 
     def linear():
@@ -146,9 +168,9 @@ def _jitted_code() -> set[tuple[str, str]]:
     return found
 
 
-def profiled(call, calls: int) -> tuple[float, float]:
-    """(fusetune's own microseconds, Tensor.to calls made by fusetune) per call, under
-    cProfile (the interpreter's own Tensor.to calls are not counted)."""
+def profiled(call, calls: int) -> tuple[float, float, float]:
+    """(fusetune's own microseconds, Tensor.to calls and dtype casts by any method made by
+    fusetune) per call, under cProfile (the interpreter's own calls are not counted)."""
     call()
     profile = cProfile.Profile()
     profile.enable()
@@ -161,32 +183,35 @@ def profiled(call, calls: int) -> tuple[float, float]:
     def host(filename: str, function: str) -> bool:
         return "/fusetune/" in filename and (filename, function) not in jitted
 
-    own, to_calls = 0.0, 0
+    own, to_calls, casts = 0.0, 0, 0
     for (filename, _, function), (_, _, tottime, _, callers) in stats.items():
-        if function == TO_KEY:
-            to_calls += sum(c[1] for (f, _, fn), c in callers.items() if host(f, fn))
+        if function == TO_KEY or function in CAST_KEYS:
+            count = sum(c[1] for (f, _, fn), c in callers.items() if host(f, fn))
+            casts += count
+            to_calls += count if function == TO_KEY else 0
         elif host(filename, function):
             own += tottime
-    return own / calls * 1e6, to_calls / calls
+    return own / calls * 1e6, to_calls / calls, casts / calls
 
 
 def ops_table(tokens: int, calls: int, repeats: int) -> None:
     print(f"N={tokens} hidden={HIDDEN} rank={RANK}; {calls} calls x {repeats} repeats")
     print(
-        f"{'op':<12} {'dtype':<9} {'fwd us':>8} {'fwd+bwd us':>11} {'.to/call':>9} "
-        f"{'fusetune own us':>16}"
+        f"{'op':<12} {'base/adapters':<17} {'fwd us':>8} {'fwd+bwd us':>11} {'.to/call':>9} "
+        f"{'casts':>6} {'fusetune own us':>16}"
     )
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, (forward, both) in cases(tokens, dtype).items():
+    for dtype, adapters in CONFIGS:
+        label = f"{str(dtype)[6:]}/{str(adapters)[6:]}"
+        for name, (forward, both) in cases(tokens, dtype, adapters).items():
             if name == "lora_mlp":
                 fwd = total = float("nan")
-                own, to_calls = profiled(both, 3)
+                own, to_calls, casts = profiled(both, 3)
             else:
                 fwd = median_us(forward, calls, repeats)
                 total = median_us(both, calls, repeats)
-                own, to_calls = profiled(both, calls)
+                own, to_calls, casts = profiled(both, calls)
             print(
-                f"{name:<12} {str(dtype)[6:]:<9} {fwd:8.1f} {total:11.1f} {to_calls:9.1f} "
+                f"{name:<12} {label:<17} {fwd:8.1f} {total:11.1f} {to_calls:9.1f} {casts:6.1f} "
                 f"{own:16.1f}",
                 flush=True,
             )
@@ -219,10 +244,10 @@ def model_row(steps: int) -> None:
         model(input_ids=tokens, labels=tokens).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    own, to_calls = profiled(step, steps)
+    own, to_calls, casts = profiled(step, steps)
     print(
         f"tiny Llama step (2 layers, 1 x 8 tokens, fp32): fusetune own {own:.0f} us/step, "
-        f"{to_calls:.0f} Tensor.to calls/step",
+        f"{to_calls:.0f} Tensor.to calls/step, {casts:.0f} casts/step",
         flush=True,
     )
 
