@@ -1,7 +1,9 @@
 """Host (Python) time per call of fusetune's LoRA ops on their kernel path, on the CPU.
 
 Usage:
-    python tools/host_lora_overhead.py                 # ops table
+    python tools/host_lora_overhead.py                 # ops table (CPU)
+    python tools/host_lora_overhead.py --device cuda   # on a GPU: the compiled kernels
+    python tools/host_lora_overhead.py --src /tmp/old/src   # another source tree's fusetune
     python tools/host_lora_overhead.py --model         # + a tiny PEFT Llama step (fusetune.apply)
     python tools/host_lora_overhead.py --repeats 7 --calls 300
 
@@ -60,7 +62,12 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["FUSETUNE_INTERPRET"] = "1"  # before fusetune: the kernel path, not the reference
+# --device cuda: the compiled kernels on a GPU (tiny tensors: the step is host-bound, so wall time
+# is host time there too); else the CPU, with FUSETUNE_INTERPRET=1 set before fusetune is
+# imported: the kernel path, not the reference.
+DEVICE = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+if DEVICE == "cpu":
+    os.environ["FUSETUNE_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
@@ -92,7 +99,7 @@ def projection(out: int, hidden: int, dtype, adapters, generator: torch.Generato
     def tensor(*shape, dt=dtype, grad=False):
         return (
             torch.randn(*shape, generator=generator, dtype=torch.float32)
-            .to(dt)
+            .to(DEVICE, dt)
             .requires_grad_(grad)
         )
 
@@ -107,7 +114,7 @@ def projection(out: int, hidden: int, dtype, adapters, generator: torch.Generato
 def cases(tokens: int, dtype: torch.dtype, adapters: torch.dtype):
     """name -> (forward, forward + backward) closures of one op on fixed inputs."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, HIDDEN, generator=generator).to(dtype).requires_grad_()
+    x = torch.randn(tokens, HIDDEN, generator=generator).to(DEVICE, dtype).requires_grad_()
     single = projection(64, HIDDEN, dtype, adapters, generator)
     qkv = [projection(out, HIDDEN, dtype, adapters, generator) for out in QKV_OUT]
     mlp = [
@@ -141,14 +148,21 @@ def cases(tokens: int, dtype: torch.dtype, adapters: torch.dtype):
     }
 
 
+def synchronize() -> None:
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
 def median_us(call, calls: int, repeats: int) -> float:
     for _ in range(min(calls, 20)):
         call()
     runs = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             call()
+        synchronize()
         runs.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(runs)
 
@@ -203,7 +217,7 @@ def ops_table(tokens: int, calls: int, repeats: int) -> None:
     for dtype, adapters in CONFIGS:
         label = f"{str(dtype)[6:]}/{str(adapters)[6:]}"
         for name, (forward, both) in cases(tokens, dtype, adapters).items():
-            if name == "lora_mlp":
+            if name == "lora_mlp" and DEVICE == "cpu":  # the interpreter's kernels: no time
                 fwd = total = float("nan")
                 own, to_calls, casts = profiled(both, 3)
             else:
@@ -233,12 +247,12 @@ def model_row(steps: int) -> None:
         max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora_config = peft.LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
     model = peft.get_peft_model(model, lora_config)
     fusetune.apply(model, lora=True)
-    tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
     def step():
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -260,9 +274,10 @@ def main() -> None:
     parser.add_argument("--model", action="store_true", help="also a tiny PEFT Llama step")
     parser.add_argument("--steps", type=int, default=3, help="profiled model steps")
     parser.add_argument("--src", help="the src folder to import fusetune from (read above)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="(read above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"fusetune from {Path(lora.__file__).parents[2]}")
+    print(f"fusetune from {Path(lora.__file__).parents[2]}, device {DEVICE}")
     ops_table(args.tokens, args.calls, args.repeats)
     if args.model:
         model_row(args.steps)
