@@ -1,4 +1,5 @@
-"""fusetune.rms_norm / add_rms_norm against the float64 reference and transformers' modules."""
+"""fusetune.rms_norm / add_rms_norm / rms_norm_gated against the float64 reference and
+transformers' modules."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fusetune.ops import rms_norm as rms_module
 from fusetune.reference.rms_norm import CASTINGS
 from fusetune.reference.rms_norm import add_rms_norm as reference_add_rms_norm
 from fusetune.reference.rms_norm import rms_norm as reference_rms_norm
+from fusetune.reference.rms_norm import rms_norm_gated as reference_rms_norm_gated
 from harness import (
     DEVICE,
     ON_GPU,
@@ -79,6 +81,71 @@ def test_add_rms_norm_matrix(dtype, autocast, mode, layout):
         autocast=autocast,
         layout=layout,
     )
+
+
+def gated_inputs(shape: tuple[int, ...], casting: str = "llama"):
+    """make_inputs' x and weight, and a gate spread over silu's bend (|z| up to ~6)."""
+    return {**make_inputs(shape, casting), "gate": torch.randn(shape, dtype=torch.float64) * 2.0}
+
+
+def run_gated(inputs, dtype, casting="llama", **kw):
+    return check_op(
+        fusetune.rms_norm_gated,
+        reference_rms_norm_gated,
+        inputs,
+        dtype=dtype,
+        cast=["x", "gate", "weight"],
+        grad=["x", "gate", "weight"],
+        kwargs=dict(eps=EPS, casting=casting),
+        **kw,
+    )
+
+
+@matrix()
+def test_rms_norm_gated_matrix(dtype, autocast, mode, layout):
+    """Qwen3.5's Gated DeltaNet norm: rows of head_v_dim (here not a power of two)."""
+    run_gated(gated_inputs((2, 5, 3, 48)), dtype, mode=mode, autocast=autocast, layout=layout)
+
+
+@pytest.mark.parametrize("casting", CASTINGS)
+def test_rms_norm_gated_castings(casting):
+    run_gated(gated_inputs((7, 40), casting), torch.bfloat16, casting)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_gated_matches_transformers(dtype):
+    """Qwen3_5RMSNormGated (transformers) with the same weights: outputs and the gradients of
+    x, gate and weight. transformers rounds the product before the gate in bf16, fusetune
+    once at the end: the bound is twice the dtype's."""
+    modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    hf = modeling.Qwen3_5RMSNormGated(64, eps=EPS).to(DEVICE, dtype)
+    with torch.no_grad():
+        hf.weight.copy_(make_inputs((1, 64))["weight"])
+    inputs = gated_inputs((3, 4, 64))
+    x, gate = (inputs[k].to(DEVICE, dtype) for k in ("x", "gate"))
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    gate_hf, gate_ours = gate.clone().requires_grad_(), gate.clone().requires_grad_()
+    ours = fusetune.nn.RMSNormGated(64, EPS, device=DEVICE, dtype=dtype)
+    ours.load_state_dict(hf.state_dict())
+    weight = ours.weight
+    y_hf = hf(x_hf, gate_hf)
+    y_ours = ours(x_ours, gate_ours)
+    grad = torch.randn_like(y_hf)
+    y_hf.backward(grad)
+    y_ours.backward(grad)
+    tol = 2 * tolerance(dtype)
+    assert y_ours.dtype == y_hf.dtype
+    assert_close("y", y_ours, y_hf, tol)
+    assert_close("dx", x_ours.grad, x_hf.grad, tol)
+    assert_close("dgate", gate_ours.grad, gate_hf.grad, tol)
+    assert_close("dweight", weight.grad, hf.weight.grad, tol)
+
+
+def test_rms_norm_gated_bad_gate():
+    x, weight = torch.randn(4, 32, device=DEVICE), torch.ones(32, device=DEVICE)
+    gated = fusetune.rms_norm_gated
+    assert_raises(ValueError, "gate must have x's shape", gated, x, x[:2], weight)
+    assert_raises(TypeError, "gate must be a floating-point tensor", gated, x, x.long(), weight)
 
 
 @pytest.mark.parametrize("casting", CASTINGS)

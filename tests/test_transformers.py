@@ -124,9 +124,9 @@ CALLS = {
     "gemma2": dict(rms_norm=9),
     "gemma3": dict(rms_norm=13),
     "gemma4": dict(rms_norm=16, rope=4),  # q and k rotated in separate calls
-    "qwen3_5": dict(rms_norm=7, rope=1),
-    "qwen3_next": dict(rms_norm=7, rope=1),
-    "qwen3_5_moe": dict(rms_norm=7, rope=1),
+    "qwen3_5": dict(rms_norm=7, rope=1, rms_norm_gated=1),  # the linear layer's gated norm
+    "qwen3_next": dict(rms_norm=7, rope=1, rms_norm_gated=1),
+    "qwen3_5_moe": dict(rms_norm=7, rope=1, rms_norm_gated=1),
     "qwen3_moe": dict(rms_norm=9, glu=1),  # layer 0 dense, layer 1 experts
     "mixtral": dict(glu=0),
     "granitemoe": dict(glu=0),
@@ -158,7 +158,8 @@ FUSED_RESIDUAL = {
 
 
 def expected_calls(family: str, layers: int = LAYERS) -> dict[str, int]:
-    calls = {"rms_norm": 2 * layers + 1, "rope": layers, "glu": layers, "linear_cross_entropy": 1}
+    calls = {"rms_norm": 2 * layers + 1, "rope": layers, "glu": layers, "linear_cross_entropy": 1,
+             "rms_norm_gated": 0}  # fmt: skip
     calls = {**calls, **(CALLS.get(family, {}) if layers == LAYERS else {}), "add_rms_norm": 0}
     if family in FUSED_RESIDUAL:
         calls["rms_norm"] -= layers
@@ -232,8 +233,9 @@ def counting(counts: dict[str, int], name: str, function):
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the fused ops the patched forwards call (they look them up at call time)."""
-    counts = dict.fromkeys(["rms_norm", "add_rms_norm", "rope", "glu", "linear_cross_entropy"], 0)
-    for name in ("rms_norm", "add_rms_norm", "rope", "linear_cross_entropy"):
+    names = ["rms_norm", "add_rms_norm", "rms_norm_gated", "rope", "linear_cross_entropy"]
+    counts = dict.fromkeys([*names, "glu"], 0)
+    for name in names:
         monkeypatch.setattr(forwards, name, counting(counts, name, getattr(forwards, name)))
     glu_ops = {kind: counting(counts, "glu", op) for kind, op in forwards.GLU_OPS.items()}
     monkeypatch.setattr(forwards, "GLU_OPS", glu_ops)

@@ -21,7 +21,7 @@ from fusetune.ops.lm_head import HeadOutput
 from fusetune.ops.lora import lora_linear, lora_mlp, lora_qkv
 from fusetune.ops.moe import MoeLora, moe_mlp
 from fusetune.ops.quant4 import dequantize_4bit
-from fusetune.ops.rms_norm import add_rms_norm, rms_norm
+from fusetune.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_gated
 from fusetune.ops.rope import rope
 
 __version__ = "0.1.0"
@@ -50,6 +50,7 @@ __all__ = [
     "reference",
     "revert",
     "rms_norm",
+    "rms_norm_gated",
     "rope",
     "selective_log_softmax",
     "swiglu",

@@ -16,7 +16,7 @@ import torch
 
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
-from fusetune.ops.rms_norm import add_rms_norm, rms_norm
+from fusetune.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_gated
 from fusetune.ops.rope import rope
 
 
@@ -113,8 +113,8 @@ FAMILIES = {
             logit_softcap="final_logit_softcapping",
             text_model_type="gemma4_text",
         ),
-        # Qwen3.5 / Qwen3-Next: full-attention layers, norms, MLP and loss; the Gated DeltaNet
-        # layers' own gated norm stays transformers' (fusetune.integrations.gated_delta).
+        # Qwen3.5 / Qwen3-Next: full-attention layers, norms (the Gated DeltaNet layers' gated
+        # norm too: rms_norm_gated), MLP and loss; the delta rule: integrations.gated_delta.
         Family(
             "qwen3_5",
             "Qwen3_5",
@@ -182,6 +182,38 @@ def rms_norm_forward(family: Family, original: Callable) -> Callable:
             return original(self, hidden_states)
         eps = getattr(self, eps_name)
         return rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
+
+    return forward
+
+
+def gated_norm_class(family: Family) -> type | None:
+    """The family's gated RMSNorm (Gated DeltaNet's output norm) when its forward is, line for
+    line, Qwen3.5's: norm in fp32, rounded to the input dtype, times the weight, times
+    silu(gate) in fp32, one rounding. (Mamba's gated norm gates before normalising: another
+    op.)"""
+    found = family.part("RMSNormGated")
+    if found is None:
+        return None
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    try:
+        same = _source_lines(found.forward) == _source_lines(Qwen3_5RMSNormGated.forward)
+    except (OSError, TypeError):  # no source
+        return None
+    return found if same else None
+
+
+def rms_norm_gated_forward(family: Family, original: Callable) -> Callable:
+    """A gated RMSNorm module's forward through fusetune.rms_norm_gated (casting "llama",
+    offset 0: transformers' order, its plain weight); a call without a gate keeps
+    ``original``."""
+    del family  # one form (gated_norm_class checks it), whatever the family
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
+        if gate is None:
+            return original(self, hidden_states, gate)
+        return rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon,
+                              offset=0.0, casting="llama")  # fmt: skip
 
     return forward
 

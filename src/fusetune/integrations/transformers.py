@@ -12,7 +12,8 @@ What is routed, per family (``SUPPORTED_FAMILIES``; transformers 5.x):
   :func:`fusetune.rms_norm`, with the family's casting ("llama": round, then weight; "gemma":
   fp32 with 1 + w, or w (OLMo 2, gpt-oss, Gemma 4), rounded once). In a decoder layer that is
   line for line Llama's, the attention's residual add fuses into the post-attention norm
-  (:func:`fusetune.add_rms_norm`). Cohere normalises with LayerNorm: left to transformers.
+  (:func:`fusetune.add_rms_norm`). Cohere normalises with LayerNorm: left to transformers. The
+  Gated DeltaNet layers' gated norm (Qwen3.5, Qwen3-Next) -> :func:`fusetune.rms_norm_gated`.
 - ``rope``: the family's ``apply_rotary_pos_emb`` -> :func:`fusetune.rope` (interleaved pairs
   for Cohere). It is a module-level function in transformers, so patching an instance replaces
   it for the whole family while any patched model (or a class-level patch) of that family is
@@ -58,10 +59,12 @@ from fusetune.integrations._transformers_forwards import (
     activation_module,
     causal_lm_forward,
     decoder_layer_forward,
+    gated_norm_class,
     glu_of,
     llama_like_layer,
     mlp_forward,
     rms_norm_forward,
+    rms_norm_gated_forward,
     rope_function,
 )
 
@@ -256,6 +259,10 @@ def _apply_to_classes(family: Family, options: dict[str, bool]) -> None:
     norm, mlp, lm = (family.part(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
     if options["rms_norm"] and family.norm_casting and norm is not None:
         _set_class_attribute(family, norm, "forward", rms_norm_forward(family, norm.forward))
+    gated = gated_norm_class(family) if options["rms_norm"] else None
+    if gated is not None:
+        forward = rms_norm_gated_forward(family, gated.forward)
+        _set_class_attribute(family, gated, "forward", forward)
     layer = _fused_residual_layer(family, options)
     if layer is not None:
         _set_class_attribute(family, layer, "forward", decoder_layer_forward(family, layer.forward))
@@ -323,11 +330,14 @@ def _apply_to_instance(family: Family, model: torch.nn.Module, options: dict[str
     norm, mlp, lm = (family.part(s) for s in ("RMSNorm", "MLP", "ForCausalLM"))
     state = model.__dict__.get(_STATE) or _State(family.model_type)
     layer = _fused_residual_layer(family, options)
+    gated = gated_norm_class(family) if options["rms_norm"] else None
     for module in model.modules():
         if hasattr(module, peft_integration._PATCH):
             continue  # already on fusetune's LoRA path
         if options["rms_norm"] and family.norm_casting and norm and isinstance(module, norm):
             _install(module, functools.partial(rms_norm_forward, family))
+        elif gated is not None and isinstance(module, gated):
+            _install(module, functools.partial(rms_norm_gated_forward, family))
         elif layer is not None and isinstance(module, layer):
             _install(module, functools.partial(decoder_layer_forward, family))
         elif options["mlp"] and mlp and isinstance(module, mlp) and _glu_matches(family, module):

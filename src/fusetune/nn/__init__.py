@@ -3,7 +3,7 @@
 from fusetune.nn.gsa import GatedSlotAttention
 from fusetune.nn.loss import CrossEntropyLoss, GRPOLoss, LinearCrossEntropyLoss
 from fusetune.nn.mlp import GatedMLP, GeGLUMLP, SwiGLUMLP
-from fusetune.nn.norm import RMSNorm
+from fusetune.nn.norm import RMSNorm, RMSNormGated
 from fusetune.nn.rope import RotaryEmbedding
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "GeGLUMLP",
     "LinearCrossEntropyLoss",
     "RMSNorm",
+    "RMSNormGated",
     "RotaryEmbedding",
     "SwiGLUMLP",
 ]

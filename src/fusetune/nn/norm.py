@@ -1,10 +1,11 @@
-"""RMSNorm module: holds the weight and options of :func:`fusetune.rms_norm`."""
+"""RMSNorm modules: hold the weight and options of :func:`fusetune.rms_norm` and
+:func:`fusetune.rms_norm_gated`."""
 
 from __future__ import annotations
 
 import torch
 
-from fusetune.ops.rms_norm import add_rms_norm, rms_norm
+from fusetune.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_gated
 from fusetune.reference.rms_norm import resolve_offset
 
 
@@ -48,3 +49,30 @@ class RMSNorm(torch.nn.Module):
             f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, "
             f"casting={self.casting!r}"
         )
+
+
+class RMSNormGated(torch.nn.Module):
+    """``rms_norm(x) * silu(gate)`` over the last dim (:func:`fusetune.rms_norm_gated`).
+
+    A drop-in for transformers' Qwen3_5RMSNormGated / Qwen3NextRMSNormGated (the output norm
+    of their Gated DeltaNet layers): ``forward(x, gate)``, the parameter ``weight`` initialised
+    to ones, casting "llama". See :func:`fusetune.rms_norm_gated` for dtypes and errors.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return rms_norm_gated(x, gate, self.weight, self.eps, offset=0.0, casting="llama")
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,8 +1,10 @@
-"""Fused RMSNorm, and residual-add + RMSNorm, forward and backward.
+"""Fused RMSNorm, residual-add + RMSNorm, and gated RMSNorm, forward and backward.
 
     h = x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps),  y = h * (offset + w)
     dx = rstd * (dh - h * mean(dh * h)),  dh = dy * (offset + w)
     dw = sum over rows of dy * h          (h as rounded by the casting mode)
+    gated: y = p * silu(z), p = h * (offset + w); dz = dy * p * silu'(z), and dy * silu(z)
+    stands for dy above (Qwen3.5's and Qwen3-Next's Gated DeltaNet output norm)
 
 Forward: one program per tile of rows (a whole row held in registers), which reads x (and the
 residual) once and writes y (and the new residual) and the per-row rstd (fp32).
@@ -24,8 +26,9 @@ import torch
 from fusetune import _utils
 from fusetune._triton import tl, triton
 from fusetune.reference.rms_norm import add_rms_norm as reference_add_rms_norm
-from fusetune.reference.rms_norm import check_rms_norm_args, resolve_offset
+from fusetune.reference.rms_norm import check_gate, check_rms_norm_args, resolve_offset
 from fusetune.reference.rms_norm import rms_norm as reference_rms_norm
+from fusetune.reference.rms_norm import rms_norm_gated as reference_rms_norm_gated
 
 LLAMA, GEMMA, NONE = 0, 1, 2
 _CASTING_CODES = {"llama": LLAMA, "gemma": GEMMA, "none": NONE}
@@ -43,7 +46,12 @@ def _round_to(value, dtype: tl.constexpr):
 
 @triton.jit
 def _scale(
-    weight_ptr, weight_stride, cols, col_mask, offset, x_dtype: tl.constexpr,
+    weight_ptr,
+    weight_stride,
+    cols,
+    col_mask,
+    offset,
+    x_dtype: tl.constexpr,
     CASTING: tl.constexpr,
 ):
     """offset + w in fp32 (rounded to x's dtype in "none" mode)."""
@@ -56,13 +64,32 @@ def _scale(
 
 @triton.jit
 def _rms_norm_forward_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, rstd_ptr, n_rows, n_cols,
-    x_stride, residual_stride, out_stride, new_residual_stride, weight_stride, eps, offset,
-    CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    x_stride,
+    residual_stride,
+    gate_stride,
+    out_stride,
+    new_residual_stride,
+    weight_stride,
+    eps,
+    offset,
+    CASTING: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     """One tile of BLOCK_ROWS whole rows. With HAS_RESIDUAL the normalised input is
-    x + residual, rounded to new_residual's dtype and stored first."""
+    x + residual, rounded to new_residual's dtype and stored first; with HAS_GATE the output
+    is multiplied by silu(gate) before its one rounding."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     row_mask, col_mask = rows < n_rows, cols < n_cols
@@ -85,20 +112,45 @@ def _rms_norm_forward_kernel(
         h = _round_to(h, out_dtype)
     scale = _scale(weight_ptr, weight_stride, cols, col_mask, offset, out_dtype, CASTING)
     y = h * scale[None, :]
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + rows64 * gate_stride + cols[None, :], mask=mask, other=0.0)
+        gate = gate.to(tl.float32)
+        y = y * gate * tl.sigmoid(gate)
     tl.store(out_ptr + rows64 * out_stride + cols[None, :], y.to(out_dtype), mask=mask)
 
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    grad_out_ptr, grad_residual_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, partial_ptr,
-    n_rows, n_cols, grad_out_stride, grad_residual_stride, x_stride, grad_x_stride, weight_stride,
+    grad_out_ptr,
+    grad_residual_ptr,
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    rstd_ptr,
+    grad_x_ptr,
+    grad_gate_ptr,
+    partial_ptr,
+    n_rows,
+    n_cols,
+    grad_out_stride,
+    grad_residual_stride,
+    x_stride,
+    gate_stride,
+    grad_x_stride,
+    grad_gate_stride,
+    weight_stride,
     offset,
-    CASTING: tl.constexpr, HAS_GRAD_RESIDUAL: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    CASTING: tl.constexpr,
+    HAS_GRAD_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     """Programs loop over row tiles (tile, tile + programs, ...): dx for each, and this
     program's partial dw (fp32) stored to ``partial_ptr[program]`` at the end. With
-    HAS_GRAD_RESIDUAL the gradient arriving at the new residual is added to dx."""
+    HAS_GRAD_RESIDUAL the gradient arriving at the new residual is added to dx; with HAS_GATE
+    the gate's gradient is stored and dy * silu(gate) goes on as the norm's output gradient."""
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COLS)
@@ -117,12 +169,21 @@ def _rms_norm_backward_kernel(
         dy = dy.to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         h = x * rstd[:, None]
+        h_used = h  # as the forward rounded it
+        if CASTING == 2:
+            h_used = x * _round_to(rstd, x_dtype)[:, None]
+        if CASTING != 1:
+            h_used = _round_to(h_used, x_dtype)
+        if HAS_GATE:
+            gate_offsets = rows64 * gate_stride + cols[None, :]
+            gate = tl.load(gate_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            dgate = dy * h_used * scale[None, :] * sig * (1.0 + gate * (1.0 - sig))
+            grad_gate_offsets = rows64 * grad_gate_stride + cols[None, :]
+            tl.store(grad_gate_ptr + grad_gate_offsets,
+                     dgate.to(grad_gate_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            dy = dy * gate * sig
         if WEIGHT_GRAD:
-            h_used = h
-            if CASTING == 2:
-                h_used = x * _round_to(rstd, x_dtype)[:, None]
-            if CASTING != 1:
-                h_used = _round_to(h_used, x_dtype)
             grad_weight += tl.sum(dy * h_used, axis=0)
         dh = dy * scale[None, :]
         dx = rstd[:, None] * (dh - h * (tl.sum(dh * h, axis=1) / n_cols)[:, None])
@@ -160,8 +221,8 @@ def _launch_plan(n_cols: int) -> _LaunchPlan:
     return _LaunchPlan(block_rows, block_cols, _utils.next_power_of_2(warps))
 
 
-def _forward(x, residual, weight, eps, offset, casting):
-    """(out, new_residual or an empty tensor, rstd) for x [..., H]."""
+def _forward(x, residual, weight, eps, offset, casting, gate=None):
+    """(out, new_residual or an empty tensor, rstd) for x [..., H] (gate: x's shape)."""
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     x2 = _utils.as_rows(x)
     n_rows, n_cols = x2.shape
@@ -173,21 +234,44 @@ def _forward(x, residual, weight, eps, offset, casting):
     res2 = _utils.as_rows(residual) if residual is not None else x2
     new_res2 = new_residual.view(-1, n_cols) if residual is not None else x2
     out2 = out.view(-1, n_cols)
+    gate2 = _utils.as_rows(gate) if gate is not None else x2
     plan = _launch_plan(n_cols)
     _rms_norm_forward_kernel[(_utils.cdiv(n_rows, plan.block_rows),)](
-        x2, res2, weight, out2, new_res2, rstd, n_rows, n_cols, x2.stride(0), res2.stride(0),
-        out2.stride(0), new_res2.stride(0), weight.stride(0), eps, offset,
-        CASTING=_CASTING_CODES[casting], HAS_RESIDUAL=residual is not None,
-        BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols, num_warps=plan.num_warps,
+        x2,
+        res2,
+        gate2,
+        weight,
+        out2,
+        new_res2,
+        rstd,
+        n_rows,
+        n_cols,
+        x2.stride(0),
+        res2.stride(0),
+        gate2.stride(0),
+        out2.stride(0),
+        new_res2.stride(0),
+        weight.stride(0),
+        eps,
+        offset,
+        CASTING=_CASTING_CODES[casting],
+        HAS_RESIDUAL=residual is not None,
+        HAS_GATE=gate is not None,
+        BLOCK_ROWS=plan.block_rows,
+        BLOCK_COLS=plan.block_cols,
+        num_warps=plan.num_warps,
     )
     return out, new_residual, rstd
 
 
-def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
-    """(grad_x in x's dtype, grad_weight in weight's dtype or an empty tensor)."""
+def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad, gate=None):
+    """(grad_x in x's dtype, grad_weight in weight's dtype or an empty tensor, grad_gate in
+    gate's dtype or an empty tensor)."""
     x2, dy2 = _utils.as_rows(x), _utils.as_rows(grad_out)
     n_rows, n_cols = x2.shape
     grad_x = _utils.empty(x.shape, x.dtype, x.device)
+    gate2 = _utils.as_rows(gate) if gate is not None else x2
+    grad_gate = _utils.empty(gate.shape if gate is not None else (0,), gate2.dtype, x.device)
     plan = _launch_plan(n_cols)
     tiles = _utils.cdiv(n_rows, plan.block_rows)
     in_flight = BACKWARD_PROGRAMS_PER_SM * _utils.num_programs_in_flight(x.device)
@@ -196,24 +280,46 @@ def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_
     if n_rows:
         dres2 = _utils.as_rows(grad_residual) if grad_residual is not None else dy2
         dx2 = grad_x.view(-1, n_cols)
+        dgate2 = grad_gate.view(-1, n_cols) if gate is not None else dx2
         _rms_norm_backward_kernel[(programs,)](
-            dy2, dres2, x2, weight, rstd, dx2, partial, n_rows, n_cols, dy2.stride(0),
-            dres2.stride(0), x2.stride(0), dx2.stride(0), weight.stride(0), offset,
-            CASTING=_CASTING_CODES[casting], HAS_GRAD_RESIDUAL=grad_residual is not None,
-            WEIGHT_GRAD=weight_grad, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
+            dy2,
+            dres2,
+            x2,
+            gate2,
+            weight,
+            rstd,
+            dx2,
+            dgate2,
+            partial,
+            n_rows,
+            n_cols,
+            dy2.stride(0),
+            dres2.stride(0),
+            x2.stride(0),
+            gate2.stride(0),
+            dx2.stride(0),
+            dgate2.stride(0),
+            weight.stride(0),
+            offset,
+            CASTING=_CASTING_CODES[casting],
+            HAS_GRAD_RESIDUAL=grad_residual is not None,
+            HAS_GATE=gate is not None,
+            WEIGHT_GRAD=weight_grad,
+            BLOCK_ROWS=plan.block_rows,
+            BLOCK_COLS=plan.block_cols,
             num_warps=plan.num_warps,
         )
     if not weight_grad:
-        return grad_x, weight.new_empty((0,))
+        return grad_x, weight.new_empty((0,)), grad_gate
     if n_rows == 0:
-        return grad_x, torch.zeros_like(weight)
-    return grad_x, partial.sum(0).to(weight.dtype)
+        return grad_x, torch.zeros_like(weight), grad_gate
+    return grad_x, partial.sum(0).to(weight.dtype), grad_gate
 
 
 # ============================================================================ custom ops
 
 
-def _fake_forward(x, residual, weight, eps, offset, casting):
+def _fake_forward(x, residual, weight, eps, offset, casting, gate):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     n_rows = x.numel() // x.shape[-1]
     return (
@@ -225,26 +331,32 @@ def _fake_forward(x, residual, weight, eps, offset, casting):
 
 @_utils.register_op(
     "rms_norm_forward(Tensor x, Tensor? residual, Tensor weight, float eps, float offset, "
-    "str casting) -> (Tensor, Tensor, Tensor)",
+    "str casting, Tensor? gate) -> (Tensor, Tensor, Tensor)",
     fake=_fake_forward,
 )
-def _forward_op(x, residual, weight, eps, offset, casting):
+def _forward_op(x, residual, weight, eps, offset, casting, gate):
     """(out, new_residual, rstd [rows] fp32); new_residual is empty without a residual."""
-    return _forward(x, residual, weight, eps, offset, casting)
+    return _forward(x, residual, weight, eps, offset, casting, gate)
 
 
-def _fake_backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape if weight_grad else (0,))
+def _fake_backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad, gate):
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape if weight_grad else (0,)),
+        x.new_empty((0,)) if gate is None else gate.new_empty(gate.shape),
+    )
 
 
 @_utils.register_op(
     "rms_norm_backward(Tensor grad_out, Tensor? grad_residual, Tensor x, Tensor weight, "
-    "Tensor rstd, float offset, str casting, bool weight_grad) -> (Tensor, Tensor)",
+    "Tensor rstd, float offset, str casting, bool weight_grad, Tensor? gate) "
+    "-> (Tensor, Tensor, Tensor)",
     fake=_fake_backward,
 )
-def _backward_op(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad):
-    """(grad of the normalised input, plus grad_residual when given; grad_weight or empty)."""
-    return _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad)
+def _backward_op(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad, gate):
+    """(grad of the normalised input, plus grad_residual when given; grad_weight or empty;
+    grad_gate or empty)."""
+    return _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_grad, gate)
 
 
 # ============================================================================ autograd
@@ -254,7 +366,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting):
         forward = _forward if _utils.plain_eager(x, weight) else _forward_op
-        out, _, rstd = forward(x, None, weight, eps, offset, casting)
+        out, _, rstd = forward(x, None, weight, eps, offset, casting, None)
         ctx.save_for_backward(x, weight, rstd)
         ctx.options = (offset, casting)
         return out
@@ -264,8 +376,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         backward = _backward if _utils.plain_eager(grad_out, x) else _backward_op
-        grad_x, grad_weight = backward(
-            grad_out, None, x, weight, rstd, *ctx.options, ctx.needs_input_grad[1]
+        grad_x, grad_weight, _ = backward(
+            grad_out, None, x, weight, rstd, *ctx.options, ctx.needs_input_grad[1], None
         )
         return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None, None, None
 
@@ -276,7 +388,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
         forward = _forward if _utils.plain_eager(x, residual, weight) else _forward_op
-        out, new_residual, rstd = forward(x, residual, weight, eps, offset, casting)
+        out, new_residual, rstd = forward(x, residual, weight, eps, offset, casting, None)
         ctx.save_for_backward(new_residual, weight, rstd)
         ctx.options = (offset, casting)
         ctx.dtypes = (x.dtype, residual.dtype)
@@ -287,15 +399,50 @@ class _AddRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_new_residual):
         new_residual, weight, rstd = ctx.saved_tensors
         backward = _backward if _utils.plain_eager(grad_out, grad_new_residual) else _backward_op
-        grad_sum, grad_weight = backward(
-            grad_out, grad_new_residual, new_residual, weight, rstd, *ctx.options,
+        grad_sum, grad_weight, _ = backward(
+            grad_out,
+            grad_new_residual,
+            new_residual,
+            weight,
+            rstd,
+            *ctx.options,
             ctx.needs_input_grad[2],
+            None,
         )
         x_dtype, residual_dtype = ctx.dtypes
         return (
-            grad_sum.to(x_dtype), grad_sum.to(residual_dtype),
-            grad_weight if ctx.needs_input_grad[2] else None, None, None, None,
+            grad_sum.to(x_dtype),
+            grad_sum.to(residual_dtype),
+            grad_weight if ctx.needs_input_grad[2] else None,
+            None,
+            None,
+            None,
         )
+
+
+class _RMSNormGatedFunction(torch.autograd.Function):
+    """rms_norm(x) * silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps, offset, casting):
+        forward = _forward if _utils.plain_eager(x, gate, weight) else _forward_op
+        out, _, rstd = forward(x, None, weight, eps, offset, casting, gate)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.options = (offset, casting)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, gate, weight, rstd = ctx.saved_tensors
+        backward = _backward if _utils.plain_eager(grad_out, x) else _backward_op
+        grad_x, grad_weight, grad_gate = backward(
+            grad_out, None, x, weight, rstd, *ctx.options, ctx.needs_input_grad[2], gate
+        )
+        return (
+            grad_x, grad_gate if ctx.needs_input_grad[1] else None,
+            grad_weight if ctx.needs_input_grad[2] else None, None, None, None,
+        )  # fmt: skip
 
 
 # ============================================================================ public functions
@@ -310,7 +457,11 @@ def _check_kernel_limits(x: torch.Tensor) -> None:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float | None = None,
     casting: str = "llama",
 ) -> torch.Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
@@ -342,14 +493,17 @@ def rms_norm(
     if _utils.backend(x) == "reference":
         return reference_rms_norm(x, weight, eps, offset=offset, casting=casting)
     _check_kernel_limits(x)
-    return _RMSNormFunction.apply(
-        x, weight, float(eps), resolve_offset(offset, casting), casting
-    )
+    return _RMSNormFunction.apply(x, weight, float(eps), resolve_offset(offset, casting), casting)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-    offset: float | None = None, casting: str = "llama",
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float | None = None,
+    casting: str = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add fused with RMSNorm: ``s = x + residual``; returns ``(rms_norm(s), s)``.
 
@@ -366,4 +520,32 @@ def add_rms_norm(
     _check_kernel_limits(x)
     return _AddRMSNormFunction.apply(
         x, residual, weight, float(eps), resolve_offset(offset, casting), casting
+    )
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float | None = None,
+    casting: str = "llama",
+) -> torch.Tensor:
+    """Gated RMSNorm: ``rms_norm(x, weight) * silu(gate)`` in one pass (the output norm of
+    Qwen3.5's and Qwen3-Next's Gated DeltaNet layers, FLA's FusedRMSNormGated).
+
+    The norm is computed as :func:`rms_norm`'s ``casting`` says but not rounded, multiplied by
+    silu(gate) with gate in fp32, and rounded once to x's dtype. The backward's gradients: dx
+    in x's dtype, dgate in gate's dtype, dweight in weight's dtype (reduced in fp32 without
+    atomics). gate: x's shape, any floating dtype. Other arguments, dtype rules and errors as
+    :func:`rms_norm`; ValueError also when gate's shape is not x's, or it is on another device.
+    """
+    check_rms_norm_args(x, weight, eps, offset, casting)
+    check_gate(x, gate)
+    if _utils.backend(x) == "reference":
+        return reference_rms_norm_gated(x, gate, weight, eps, offset=offset, casting=casting)
+    _check_kernel_limits(x)
+    return _RMSNormGatedFunction.apply(
+        x, gate, weight, float(eps), resolve_offset(offset, casting), casting
     )

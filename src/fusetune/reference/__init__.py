@@ -9,7 +9,7 @@ from fusetune.reference.grpo import grpo_loss, selective_log_softmax
 from fusetune.reference.gsa import gated_slot_attention
 from fusetune.reference.linear_cross_entropy import linear_cross_entropy
 from fusetune.reference.moe import MoeLora, moe_mlp
-from fusetune.reference.rms_norm import add_rms_norm, rms_norm
+from fusetune.reference.rms_norm import add_rms_norm, rms_norm, rms_norm_gated
 from fusetune.reference.rope import rope
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "linear_cross_entropy",
     "moe_mlp",
     "rms_norm",
+    "rms_norm_gated",
     "rope",
     "selective_log_softmax",
     "swiglu",
