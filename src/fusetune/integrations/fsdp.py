@@ -9,9 +9,10 @@ per-parameter bookkeeping (docs/bench/fsdp2-host-2026-11-26/).
 :func:`shard_lora` gives FSDP2 only the frozen parameters (``fully_shard`` with the trainable
 ones in ``ignored_params``) and keeps the adapters whole on every rank, as DDP would: when a
 backward ends, their gradients are averaged over the ranks in one flat all-reduce. FSDP2 then
-has no gradient to reduce at all, and half as many parameters to gather. The adapters stay in
-their own dtype (FSDP2's ``mp_policy`` casts only the base), which fusetune's LoRA ops take
-beside a 16-bit base: float32 adapters, bf16 base is the usual mix.
+has no gradient to reduce at all, and fewer than half the parameters to gather (a Llama layer
+with LoRA on its 7 linears: 9 of 23). The adapters stay in their own dtype (FSDP2's
+``mp_policy`` casts only the base), which fusetune's LoRA ops take beside a 16-bit base:
+float32 adapters, bf16 base is the usual mix.
 """
 
 from __future__ import annotations
