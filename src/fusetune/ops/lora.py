@@ -375,8 +375,13 @@ def _grad_to(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | No
 
 
 def _transposed_grad(sum_t: torch.Tensor, like: torch.Tensor, wanted: bool):
-    """B's gradient [out, r] from the kernel's fp32 [r, out] column sums."""
-    return _cast(sum_t.t().contiguous(), like.dtype) if wanted else None
+    """B's gradient [out, r] from the kernel's fp32 [r, out] column sums: for a 16-bit B one
+    copy that transposes and casts (the values of a transposing copy, then a cast)."""
+    if not wanted:
+        return None
+    if sum_t.dtype == like.dtype:
+        return sum_t.t().contiguous()
+    return sum_t.t().to(like.dtype, memory_format=torch.contiguous_format)
 
 
 def _scaled(t: torch.Tensor, scaling: float, like: torch.Tensor) -> torch.Tensor:
