@@ -4,6 +4,8 @@ Usage:
     python tools/host_lora_overhead.py                 # ops table (CPU)
     python tools/host_lora_overhead.py --device cuda   # on a GPU: the compiled kernels
     python tools/host_lora_overhead.py --src /tmp/old/src   # another source tree's fusetune
+    python tools/host_lora_overhead.py --src /tmp/old/src --save old.pt   # gradients, then
+    python tools/host_lora_overhead.py --compare old.pt     # ... bit for bit against them
     python tools/host_lora_overhead.py --model         # + a tiny PEFT Llama step (fusetune.apply)
     python tools/host_lora_overhead.py --repeats 7 --calls 300
 
@@ -137,7 +139,8 @@ def cases(tokens: int, dtype: torch.dtype, adapters: torch.dtype):
 
         def run():
             outputs = forward()
-            return torch.autograd.grad(outputs, inputs, [torch.ones_like(y) for y in outputs])
+            grads = torch.autograd.grad(outputs, inputs, [torch.ones_like(y) for y in outputs])
+            return outputs, grads
 
         return run
 
@@ -266,6 +269,35 @@ def model_row(steps: int) -> None:
     )
 
 
+def results(tokens: int) -> dict:
+    """Outputs and gradients (x, each A and B) of every op and dtype row, with and without
+    bf16 autocast, on inputs of ``tokens`` rows (seeded): for --save / --compare."""
+    found = {}
+    for dtype, adapters in CONFIGS:
+        for autocast in (False, True):
+            ops = cases(tokens, dtype, adapters)
+            for name, (_, both) in ops.items():
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+                    outputs, grads = both()
+                tensors = [t.detach().cpu() for t in (*outputs, *grads)]
+                found[(name, str(dtype), str(adapters), autocast)] = tensors
+    return found
+
+
+def compare(path: str, tokens: int) -> None:
+    """Every output and gradient of :func:`results`, bit for bit, against ``path``'s."""
+    saved, now = torch.load(path), results(tokens)
+    differ = [
+        key
+        for key, grads in now.items()
+        if len(grads) != len(saved[key])
+        or not all(
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(grads, saved[key], strict=True)
+        )
+    ]
+    print(f"{len(now)} cases against {path}: {len(differ)} differ {differ}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8)
@@ -275,9 +307,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled model steps")
     parser.add_argument("--src", help="the src folder to import fusetune from (read above)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="(read above)")
+    parser.add_argument("--save", help="save the ops' gradients to this file, then stop")
+    parser.add_argument("--compare", help="compare the gradients with a --save file, then stop")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"fusetune from {Path(lora.__file__).parents[2]}, device {DEVICE}")
+    if args.save or args.compare:  # (N=64 rows: several row tiles and splits on the GPU)
+        if args.save:
+            torch.save(results(64), args.save)
+            print(f"saved {args.save}")
+        else:
+            compare(args.compare, 64)
+        return
     ops_table(args.tokens, args.calls, args.repeats)
     if args.model:
         model_row(args.steps)
