@@ -266,22 +266,25 @@ def _glu_backward(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_ga
     device = gate.device
     rows_per_split = _row_split(n_rows, n_cols, device) if n_rows else 1
     splits = max(1, _utils.cdiv(n_rows, rows_per_split))
-    parts = [torch.zeros((splits, r, n_cols), dtype=torch.float32, device=device) for r in ranks]
-    if n_rows and n_cols:
-        grad_h, g_down, a_down, xa_gate, xa_up, b_gate, b_up = map(
-            _unit_columns, (grad_h, g_down, a_down, xa_gate, xa_up, b_gate, b_up)
-        )
-        grid = (_utils.cdiv(n_cols, BACKWARD_BN), splits)
-        _lora_glu_backward_kernel[grid](
-            grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up,
-            grad_gate, grad_up, *parts, n_rows, n_cols, rows_per_split, *ranks,
-            grad_h.stride(0), g_down.stride(0), a_down.stride(0), gate.stride(0), up.stride(0),
-            xa_gate.stride(0), xa_up.stride(0), b_gate.stride(0), b_up.stride(0),
-            grad_gate.stride(0), grad_up.stride(0),
-            ACTIVATION=ACTIVATION_CODES[activation], IEEE=gate.dtype == torch.float32,
-            UPCAST=INTERPRET, R=_padded_rank(*ranks), BM=BACKWARD_BM, BN=BACKWARD_BN,
-            num_warps=BACKWARD_WARPS,
-        )
+    if not (n_rows and n_cols):  # no launch: the sums over no rows are zeros
+        return tuple(torch.zeros((r, n_cols), dtype=torch.float32, device=device) for r in ranks)
+    # Not zero-filled (a fill launch less each): the kernel stores every element, each program
+    # its split's sums for all ranks and its columns. (Tests poison them with NaN.)
+    parts = [_utils.empty((splits, r, n_cols), torch.float32, device) for r in ranks]
+    grad_h, g_down, a_down, xa_gate, xa_up, b_gate, b_up = map(
+        _unit_columns, (grad_h, g_down, a_down, xa_gate, xa_up, b_gate, b_up)
+    )
+    grid = (_utils.cdiv(n_cols, BACKWARD_BN), splits)
+    _lora_glu_backward_kernel[grid](
+        grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up,
+        grad_gate, grad_up, *parts, n_rows, n_cols, rows_per_split, *ranks,
+        grad_h.stride(0), g_down.stride(0), a_down.stride(0), gate.stride(0), up.stride(0),
+        xa_gate.stride(0), xa_up.stride(0), b_gate.stride(0), b_up.stride(0),
+        grad_gate.stride(0), grad_up.stride(0),
+        ACTIVATION=ACTIVATION_CODES[activation], IEEE=gate.dtype == torch.float32,
+        UPCAST=INTERPRET, R=_padded_rank(*ranks), BM=BACKWARD_BM, BN=BACKWARD_BN,
+        num_warps=BACKWARD_WARPS,
+    )
     return tuple(part.sum(0) if splits > 1 else part[0] for part in parts)
 
 
