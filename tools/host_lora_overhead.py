@@ -30,27 +30,29 @@ Rows:
   per step.
 
 Run notes (2026-11-26, 2 CPU cores shared with other jobs (noisy), torch 2.13 CPU, Triton 3.9
-interpreter; N=8, 200 calls x 7 repeats; before = 9f34749 and after = the host-overhead commits,
-each imported with --src, two alternating runs, so a range; fwd+bwd in us; .to = Tensor.to calls
-by fusetune per fwd+bwd, casts = those plus .float() / .bfloat16() / .half()):
+interpreter; N=8, 200 calls x 7 repeats; before = 9f34749, after = 640f3f9, each imported with
+--src, two alternating runs, so a range; us per call; .to = Tensor.to calls by fusetune per
+fwd+bwd, casts = those plus .float() / .bfloat16() / .half()):
 
-    op           base/adapters  fwd+bwd before  after    .to before  after  casts before  after
-    lora_linear  fp32/fp32      206-234         159-162  11          0      12            1
-    lora_qkv     fp32/fp32      342-373         293-317  25          0      28            3
-    lora_mlp     fp32/fp32      -               -        31          0      32            1
-    lora_linear  bf16/fp32      307-325         270-272  11          0      12            4
-    lora_qkv     bf16/fp32      655-683         573-611  25          0      28            8
-    lora_mlp     bf16/fp32      -               -        31          0      32            14
-    lora_linear  bf16/bf16      314-323         265-298  11          0      12            2
-    lora_qkv     bf16/bf16      639-647         583-616  25          0      28            6
-    lora_mlp     bf16/bf16      -               -        31          0      32            5
+    op           base/adapters  fwd before  after  fwd+bwd before  after    .to     casts
+    lora_linear  fp32/fp32      54-56       41-57  198-223         158-174  11 -> 0  12 -> 1
+    lora_qkv     fp32/fp32      108-114     85-89  348-350         290-317  25 -> 0  28 -> 3
+    lora_mlp     fp32/fp32      -           -      -               -        31 -> 0  32 -> 1
+    lora_linear  bf16/fp32      109-115     93-94  307-310         265-278  11 -> 0  12 -> 4
+    lora_qkv     bf16/fp32      235-238     203-205  628-635       562-574  25 -> 0  28 -> 8
+    lora_mlp     bf16/fp32      -           -      -               -        31 -> 0  32 -> 14
+    lora_linear  bf16/bf16      102-105     87-88  296-304         262      11 -> 0  12 -> 2
+    lora_qkv     bf16/bf16      220-231     189-190  607-632       543-547  25 -> 0  28 -> 6
+    lora_mlp     bf16/bf16      -           -      -               -        31 -> 2  32 -> 5
 
-    fusetune own (cProfile) us per fwd+bwd, before -> after: linear fp32 103-119 -> 83-84,
-    qkv fp32 165-197 -> 139-141, linear bf16/bf16 126-141 -> 93-104, qkv bf16/bf16 202-226 ->
-    168-176; lora_mlp 484-622 either way (within the noise: the interpreter's kernel runs
-    between the host calls disturb its own-time). Tiny Llama step (fp32): Tensor.to by fusetune
-    140 -> 10 per step (casts 150 -> 20); fusetune own 5.1-5.8 ms either way (mostly the other
-    ops' launchers under the interpreter).
+    The casts left change a dtype (the mlp's 2 .to: B's gradients, transposed and cast in one
+    copy). fusetune own (cProfile) us per fwd+bwd, before -> after: linear fp32 102-107 -> 84-88,
+    qkv fp32 165-168 -> 139-144, linear bf16/bf16 107-109 -> 95-99, qkv bf16/bf16 188-189 ->
+    158-161; lora_mlp 515-702 either way (noise: the interpreter's kernel runs between the
+    host calls disturb its own time; its changes, 3 zero fills and 2 copies fewer per backward,
+    are GPU launches). Tiny Llama step (fp32): Tensor.to by fusetune 140 -> 10 per step (casts
+    150 -> 20); fusetune own 5.0-5.8 ms either way (mostly the other ops' launchers under the
+    interpreter).
 """
 
 from __future__ import annotations
