@@ -290,7 +290,7 @@ def test_kernel_kinds_of_a_profiled_step():
 
     names = {
         "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
-        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<8>)": "collective",
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
         "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>": "pytorch",
