@@ -122,23 +122,25 @@ def test_rms_norm_gated_matches_transformers(dtype):
     with torch.no_grad():
         hf.weight.copy_(make_inputs((1, 64))["weight"])
     inputs = gated_inputs((3, 4, 64))
-    x, gate = (inputs[k].to(DEVICE, dtype) for k in ("x", "gate"))
-    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    gate_hf, gate_ours = gate.clone().requires_grad_(), gate.clone().requires_grad_()
     ours = fusetune.nn.RMSNormGated(64, EPS, device=DEVICE, dtype=dtype)
     ours.load_state_dict(hf.state_dict())
-    weight = ours.weight
-    y_hf = hf(x_hf, gate_hf)
-    y_ours = ours(x_ours, gate_ours)
+    args = {name: inputs[name].to(DEVICE, dtype) for name in ("x", "gate")}
+    assert_module_matches(ours, hf, args, 2 * tolerance(dtype))
+
+
+def assert_module_matches(ours, hf, args: dict, tol: float) -> None:
+    """``ours`` and transformers' ``hf`` on the same ``args`` (positional, by name): the output
+    (and its dtype), each argument's gradient and the weight's, within ``tol``."""
+    leaves = [{n: t.clone().requires_grad_() for n, t in args.items()} for _ in range(2)]
+    y_ours, y_hf = ours(*leaves[0].values()), hf(*leaves[1].values())
     grad = torch.randn_like(y_hf)
-    y_hf.backward(grad)
     y_ours.backward(grad)
-    tol = 2 * tolerance(dtype)
+    y_hf.backward(grad)
     assert y_ours.dtype == y_hf.dtype
     assert_close("y", y_ours, y_hf, tol)
-    assert_close("dx", x_ours.grad, x_hf.grad, tol)
-    assert_close("dgate", gate_ours.grad, gate_hf.grad, tol)
-    assert_close("dweight", weight.grad, hf.weight.grad, tol)
+    for name in args:
+        assert_close(f"d{name}", leaves[0][name].grad, leaves[1][name].grad, tol)
+    assert_close("dweight", ours.weight.grad, hf.weight.grad, tol)
 
 
 def test_rms_norm_gated_bad_gate():
@@ -309,16 +311,7 @@ def test_matches_transformers(kind, dtype):
     ours = fusetune.nn.RMSNorm(320, EPS, casting=casting, device=DEVICE, dtype=dtype)
     ours.load_state_dict(hf.state_dict())
     x = (torch.randn(2, 9, 320, device=DEVICE) * 2).to(dtype)
-    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_hf, y_ours = hf(x_hf), ours(x_ours)
-    grad = torch.randn_like(y_hf)
-    y_hf.backward(grad)
-    y_ours.backward(grad)
-    tol = 2 * tolerance(dtype)
-    assert y_ours.dtype == y_hf.dtype
-    assert_close("y", y_ours, y_hf, tol)
-    assert_close("dx", x_ours.grad, x_hf.grad, tol)
-    assert_close("dweight", ours.weight.grad, hf.weight.grad, tol)
+    assert_module_matches(ours, hf, {"x": x}, 2 * tolerance(dtype))
 
 
 def test_module_with_residual():
