@@ -106,6 +106,8 @@ def test_jobs_order_and_choices():
     assert distributed.not_run(replicated, cuda=True) is None
     assert distributed.not_run({**replicated, "mode": "full"}, cuda=True).endswith("for LoRA")
     assert distributed._variant_name(replicated) == "hf+peft+fusetune, adapters replicated"
+    hf_replicated = {**replicated, "variant": "hf-shard-lora"}
+    assert distributed._variant_name(hf_replicated) == "hf+peft, adapters replicated"
     args.variants = "hf,nope"
     with pytest.raises(SystemExit, match="--variants: unknown"):
         distributed.jobs(args, tiny=True)

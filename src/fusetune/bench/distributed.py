@@ -44,7 +44,8 @@ from fusetune.bench.cases_e2e import (
     profile_lines,
 )
 
-VARIANTS = ("hf", "liger", "fusetune", "hf-compiled", "fusetune-compiled", "fusetune-shard-lora")
+VARIANTS = ("hf", "liger", "fusetune", "hf-compiled", "fusetune-compiled", "hf-shard-lora",
+            "fusetune-shard-lora")  # fmt: skip
 DEFAULT_VARIANTS = VARIANTS[:3]  # the others (FSDP2 only) on request
 ENGINES = ("fsdp2", "zero3")
 TAG = "RESULT "
@@ -67,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help="of hf, liger, fusetune, hf-compiled, fusetune-compiled (each "
                              "decoder layer compiled after sharding; FSDP2 only), "
-                             "fusetune-shard-lora (FSDP2 LoRA: the adapters replicated, "
-                             "fusetune.integrations.fsdp.shard_lora)")  # fmt: skip
+                             "hf-shard-lora, fusetune-shard-lora (FSDP2 LoRA: the adapters "
+                             "replicated, fusetune.integrations.fsdp.shard_lora)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=None, help="per GPU (default: e2e's)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median; 8)")
@@ -109,7 +110,7 @@ def not_run(job: dict[str, Any], cuda: bool) -> str | None:
     if job["engine"] == "zero3" and job["variant"].endswith("-compiled"):
         return "skipped: the compiled variants run under FSDP2"
     lora_fsdp2 = (job["engine"], job["mode"]) == ("fsdp2", "lora")
-    if job["variant"] == "fusetune-shard-lora" and not lora_fsdp2:
+    if job["variant"].endswith("-shard-lora") and not lora_fsdp2:
         return "skipped: shard_lora is FSDP2 for LoRA"
     if job["engine"] == "zero3" and importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (not a dependency)"
@@ -349,8 +350,9 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
 
 def _variant_name(row: dict[str, Any]) -> str:
     variant = row["variant"]
-    if variant == "fusetune-shard-lora":
-        return "hf+peft+fusetune, adapters replicated"
+    if variant.endswith("-shard-lora"):
+        base = "hf+peft" if variant.startswith("hf") else "hf+peft+fusetune"
+        return f"{base}, adapters replicated"
     base, compiled = variant.removesuffix("-compiled"), variant.endswith("-compiled")
     if row["mode"] == "lora":
         base = "hf+peft" if base == "hf" else f"hf+peft+{base}"

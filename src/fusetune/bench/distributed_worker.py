@@ -6,8 +6,8 @@ Models (random weights, shapes of ``cases_e2e.SHAPES``), fp32 parameters:
 - full fine-tuning under FSDP2: the head untied and sharded on its own (as torchtitan does; the
   layout where a fused loss must gather a sharded head), every decoder layer, then the root;
 - LoRA (PEFT r=16 alpha=32 on every linear layer, base frozen) under FSDP2: the real tied
-  embeddings, the head in the root group; variant fusetune-shard-lora shards the base alone
-  (fusetune.integrations.fsdp.shard_lora: the adapters replicated, in fp32);
+  embeddings, the head in the root group; variants hf-shard-lora and fusetune-shard-lora shard
+  the base alone (fusetune.integrations.fsdp.shard_lora: the adapters replicated, in fp32);
 - ZeRO-3 (either mode): the real tied embeddings, DeepSpeed partitions everything.
 FSDP2 runs with ``MixedPrecisionPolicy(bf16 parameters, fp32 reductions)``, fp32 masters and
 torch's fused AdamW; ZeRO-3 with ``bf16`` on (bf16 parameters, fp32 masters) and
@@ -201,7 +201,7 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         step = zero3_step(model, job["batch"])
     else:
         step = fsdp2_step(model, untied_head=job["mode"] == "full",
-                          replicate_adapters=job["variant"] == "fusetune-shard-lora")  # fmt: skip
+                          replicate_adapters=job["variant"].endswith("-shard-lora"))  # fmt: skip
         if job["variant"].endswith("-compiled"):
             compile_each_layer(model, device)
     generator = torch.Generator().manual_seed(dist.get_rank())
