@@ -43,7 +43,8 @@ case "${1:-tests}" in
     nvidia-smi -L | tee "$OUT/gpus.txt"
     timeout 560 python3 -m pytest -q -p no:cacheprovider -rxs --durations=15 tests/test_distributed.py \
       tests/test_bench_distributed.py tests/test_finetune_distributed.py \
-      tests/test_grpo_distributed.py tests/test_trl_fsdp.py tests/test_compile_fsdp.py 2>&1 \
+      tests/test_grpo_distributed.py tests/test_trl_fsdp.py tests/test_compile_fsdp.py \
+      tests/test_fsdp_lora.py 2>&1 \
       | tee "$OUT/distributed-tests.log" | tail -40
     ;;
   bench)
