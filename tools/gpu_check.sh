@@ -14,8 +14,12 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 25
-status=${PIPESTATUS[0]}
+# Under a deadline, one line per result (tools/gpu_suite_part.sh: a pytest piped through
+# `timeout | tee` once held a device call to its limit and printed no test name).
+OUT="$OUT" DEADLINE_S=${DEADLINE_S:-540} bash tools/gpu_suite_part.sh "$@" 2>&1 \
+  | tee "$OUT/pytest.log" | tail -n 40
+status=0
+grep -qE "^(FAILED|ERROR) |deadline: killed" "$OUT/suite-part.txt" && status=1
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m fusetune bench ${BENCH_OPS:-} --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
     | grep -v '^\[bench\]'

@@ -6,9 +6,10 @@
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-suite}
 mkdir -p "$OUT"
-if ls .bnb/*.whl .ds/*.whl .trl/*.whl .peers/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .bnb/*.whl .ds/*.whl \
-    .trl/*.whl .peers/*.whl >"$OUT/pip.txt" 2>&1
+wheels=$(ls .bnb/*.whl .ds/*.whl .trl/*.whl .peers/*.whl 2>/dev/null)  # the carried ones
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels >"$OUT/pip.txt" 2>&1
 fi
 export PYTHONPATH=${SRC:-src}:tests:/tmp/site PYTHONUNBUFFERED=1  # SRC: another source tree
 log="$OUT/suite-part.txt"
