@@ -594,6 +594,22 @@ def call_counter(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def conv_counter(monkeypatch):
+    """Calls of fusetune.causal_conv1d from the routed layers' short convolution."""
+    from fusetune.integrations import gated_delta
+
+    calls = []
+    original = gated_delta._conv
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(gated_delta, "_conv", spy)
+    return calls
+
+
 def train_steps(model, batches, lr=0.1):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], []
@@ -610,7 +626,7 @@ def train_steps(model, batches, lr=0.1):
 GATE_PARAMETERS = ("dt_bias", "A_log", "in_proj_a.weight")  # model and layer names
 
 
-def test_route_tiny_qwen3_5_trains_like_transformers(call_counter):
+def test_route_tiny_qwen3_5_trains_like_transformers(call_counter, conv_counter):
     """Patched and unpatched training from the same weights on the same batches: equal losses
     (fp32, 1e-5) for three steps and equal gradients, the fused path counted; unroute restores
     transformers' own functions.
@@ -635,6 +651,8 @@ def test_route_tiny_qwen3_5_trains_like_transformers(call_counter):
         assert gated_delta.unroute(routed) == 1
         gated_delta.unroute(exact)
     assert call_counter == ["chunk"] * 4
+    assert len(conv_counter) == 4  # its short convolution too, [B, C, T]
+    assert all(shape[0] == 2 and shape[2] == 14 for shape in conv_counter), conv_counter
     assert [getattr(modeling, name) for name, _, _ in gated_delta.SEAMS] == originals
     for step, (loss, want) in enumerate(zip(losses, want_losses, strict=True)):
         assert_close(f"loss step {step}", loss, want, 1e-5)

@@ -13,6 +13,7 @@ from fusetune import (
 from fusetune._utils import backend
 from fusetune.integrations.transformers import apply, compile_layers, revert
 from fusetune.ops.activation import geglu, swiglu
+from fusetune.ops.causal_conv1d import causal_conv1d
 from fusetune.ops.cross_entropy import cross_entropy
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
 from fusetune.ops.linear_attention import gated_delta_rule, gated_slot_attention
@@ -33,6 +34,7 @@ __all__ = [
     "add_rms_norm",
     "apply",
     "backend",
+    "causal_conv1d",
     "compile_layers",
     "cross_entropy",
     "dequantize_4bit",

@@ -35,6 +35,7 @@ import torch
 # Op name -> module that registers its cases. Modules are imported only for the ops asked for,
 # so a broken or slow cases file for one op never gets in the way of benchmarking another.
 CASE_MODULES: dict[str, str] = {
+    "causal_conv1d": "fusetune.bench.cases_causal_conv1d",
     "cross_entropy": "fusetune.bench.cases_cross_entropy",
     "e2e": "fusetune.bench.cases_e2e",
     "gated_delta_rule": "fusetune.bench.cases_gated_delta_rule",

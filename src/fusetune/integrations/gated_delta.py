@@ -14,11 +14,13 @@ Where transformers looks the kernels up:
 Both call with FLA's argument names (q, k, v, g=, beta=, initial_state=, output_final_state=,
 use_qk_l2norm_in_kernel=, cu_seqlens=, plus extras that are dropped here).
 
-Packed sequences (padding-free batches: ``cu_seq_lens_q`` among the forward's kwargs) also pass
-through the layer's short causal convolution, ``causal_conv1d_fn``, before the delta rule.
-transformers' torch fallback of it ignores the packing (each sequence's first tokens would see
-the previous sequence's last ones), so routing also wraps that module function: with
-``cu_seq_lens_q`` it runs a convolution masked at the sequence starts, otherwise the original.
+The layer's short causal convolution, ``causal_conv1d_fn`` (a module function where
+transformers has one), runs before the delta rule; routing wraps it too. Without packing it
+becomes :func:`fusetune.causal_conv1d` (one pass, SiLU fused, the transposed projection output
+read in place). Packed sequences (padding-free batches: ``cu_seq_lens_q`` among the forward's
+kwargs): transformers' torch fallback ignores the packing (each sequence's first tokens would
+see the previous sequence's last ones), so those run a convolution masked at the sequence
+starts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from fusetune.ops.causal_conv1d import causal_conv1d
 from fusetune.ops.linear_attention.gated_delta_rule import gated_delta_rule
 
 LAYER_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
@@ -75,8 +78,14 @@ def _call(*args, **kwargs):
     return gated_delta_rule(*args, **kwargs)
 
 
+def _conv(*args):
+    """Looked up at call time, so tests can count calls."""
+    return causal_conv1d(*args)
+
+
 ADAPTERS = {mode: _adapter(mode) for _, _, mode in SEAMS}
 CONV_SEAM = "causal_conv1d_fn"
+CONV_ACTIVATIONS = (None, "silu", "swish")  # what fusetune.causal_conv1d computes
 
 
 def packed_causal_conv1d(
@@ -116,11 +125,17 @@ def _act(name: str):
 
 
 def _conv_adapter(original: Callable) -> Callable:
+    """Packed sequences: the masked convolution above; otherwise fusetune.causal_conv1d (one
+    pass over the transposed projection output, SiLU fused) where it applies, else
+    ``original``."""
+
     def run(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu_seqlens = kwargs.get("cu_seq_lens_q")
-        if cu_seqlens is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
+        if cu_seqlens is not None:
+            return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
+        if activation in CONV_ACTIVATIONS and weight.dim() == 2 and weight.shape[1] <= 16:
+            return _conv(hidden_states, weight, bias, activation)
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
 
     run.__name__ = "fusetune_packed_causal_conv1d_fn"
     run.__fusetune__ = True

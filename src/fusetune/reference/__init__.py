@@ -3,6 +3,7 @@
 They are the CPU path of the public ops and the oracle the tests compare the kernels with."""
 
 from fusetune.reference.activation import geglu, swiglu
+from fusetune.reference.causal_conv1d import causal_conv1d
 from fusetune.reference.cross_entropy import cross_entropy
 from fusetune.reference.gated_delta_rule import gated_delta_rule
 from fusetune.reference.grpo import grpo_loss, selective_log_softmax
@@ -15,6 +16,7 @@ from fusetune.reference.rope import rope
 __all__ = [
     "MoeLora",
     "add_rms_norm",
+    "causal_conv1d",
     "cross_entropy",
     "gated_delta_rule",
     "gated_slot_attention",
