@@ -2,7 +2,7 @@
 # What the stop of 2026-11-26 (third) left GPU-untested, in two device calls. Logs under $OUT.
 #   bash tools/gpu_pending.sh one   # 1 GPU, carry .bnb .ds .trl .peers, ~9 minutes:
 #     the test files this stop changed (verbose, under a deadline), bench rms_norm (the gated
-#     case), the LoRA host-time table (tools/host_lora_overhead.py --device cuda)
+#     case) and causal_conv1d, the LoRA host-time table (tools/host_lora_overhead.py --device cuda)
 #   bash tools/gpu_pending.sh two   # 2 GPUs, ~9 minutes: bench e2e --nproc 2 FSDP2 LoRA with
 #     shard_lora's variants, then the multi-GPU tests (tools/gpu_distributed.sh tests)
 set -u
@@ -12,10 +12,13 @@ export PYTHONPATH=src:tests PYTHONUNBUFFERED=1
 case "${1:-one}" in
   one)
     OUT="$OUT" DEADLINE_S=300 bash tools/gpu_suite_part.sh tests/test_rms_norm.py \
+      tests/test_causal_conv1d.py \
       tests/test_lora.py tests/test_lora_peft.py tests/test_compile_routed_layers.py \
       tests/test_transformers.py -k "not bf16_autocast or glm4 or qwen3" 2>&1 | tail -30
-    timeout 100 python3 -m fusetune bench rms_norm --out "$OUT/bench-rms_norm" 2>&1 \
-      | tee "$OUT/bench-rms_norm.log" | tail -12
+    for op in rms_norm causal_conv1d; do
+      timeout 100 python3 -m fusetune bench $op --out "$OUT/bench-$op" 2>&1 \
+        | tee "$OUT/bench-$op.log" | tail -12
+    done
     timeout 120 python3 tools/host_lora_overhead.py --device cuda --model --repeats 7 2>&1 \
       | tee "$OUT/host_lora.txt" | tail -20
     ;;
