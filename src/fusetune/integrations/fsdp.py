@@ -33,12 +33,12 @@ def shard_lora(
 
     ``fully_shard`` runs on each of ``layers`` (default: every transformers decoder layer, the
     modules gradient checkpointing wraps) and then on ``model``, with ``mp_policy``,
-    ``reshard_after_forward`` and ``mesh`` passed through and the trainable parameters left
-    out. Those must already sit on this rank's device (FSDP2 does not move what it ignores);
-    their gradients are averaged over the mesh's ranks (the default group without a mesh) at
-    the end of every backward, so gradient accumulation needs nothing more. An adapter that
-    got no gradient on a rank counts as zero there: after the average every trainable
-    parameter has a gradient.
+    ``reshard_after_forward`` and ``mesh`` (a 1-D DeviceMesh) passed through and the trainable
+    parameters left out. Those must already sit on this rank's device (FSDP2 does not move what
+    it ignores); their gradients are averaged over the mesh's ranks (the default group
+    without a mesh) at the end of every backward, so gradient accumulation needs nothing more.
+    An adapter that got no gradient on a rank counts as zero there: after the average every
+    trainable parameter has a gradient.
 
     Returns ``model`` (sharded in place). Raises ValueError when ``model`` has no trainable
     parameter, or no frozen one (nothing to shard: use ``fully_shard``), or no layer to shard.
