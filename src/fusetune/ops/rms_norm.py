@@ -46,12 +46,7 @@ def _round_to(value, dtype: tl.constexpr):
 
 @triton.jit
 def _scale(
-    weight_ptr,
-    weight_stride,
-    cols,
-    col_mask,
-    offset,
-    x_dtype: tl.constexpr,
+    weight_ptr, weight_stride, cols, col_mask, offset, x_dtype: tl.constexpr,
     CASTING: tl.constexpr,
 ):
     """offset + w in fp32 (rounded to x's dtype in "none" mode)."""
@@ -64,28 +59,11 @@ def _scale(
 
 @triton.jit
 def _rms_norm_forward_kernel(
-    x_ptr,
-    residual_ptr,
-    gate_ptr,
-    weight_ptr,
-    out_ptr,
-    new_residual_ptr,
-    rstd_ptr,
-    n_rows,
-    n_cols,
-    x_stride,
-    residual_stride,
-    gate_stride,
-    out_stride,
-    new_residual_stride,
-    weight_stride,
-    eps,
-    offset,
-    CASTING: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
+    x_ptr, residual_ptr, gate_ptr, weight_ptr, out_ptr, new_residual_ptr, rstd_ptr, n_rows,
+    n_cols, x_stride, residual_stride, gate_stride, out_stride, new_residual_stride,
+    weight_stride, eps, offset,
+    CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
     """One tile of BLOCK_ROWS whole rows. With HAS_RESIDUAL the normalised input is
     x + residual, rounded to new_residual's dtype and stored first; with HAS_GATE the output
@@ -121,31 +99,11 @@ def _rms_norm_forward_kernel(
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    grad_out_ptr,
-    grad_residual_ptr,
-    x_ptr,
-    gate_ptr,
-    weight_ptr,
-    rstd_ptr,
-    grad_x_ptr,
-    grad_gate_ptr,
-    partial_ptr,
-    n_rows,
-    n_cols,
-    grad_out_stride,
-    grad_residual_stride,
-    x_stride,
-    gate_stride,
-    grad_x_stride,
-    grad_gate_stride,
-    weight_stride,
-    offset,
-    CASTING: tl.constexpr,
-    HAS_GRAD_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
+    grad_out_ptr, grad_residual_ptr, x_ptr, gate_ptr, weight_ptr, rstd_ptr, grad_x_ptr,
+    grad_gate_ptr, partial_ptr, n_rows, n_cols, grad_out_stride, grad_residual_stride, x_stride,
+    gate_stride, grad_x_stride, grad_gate_stride, weight_stride, offset,
+    CASTING: tl.constexpr, HAS_GRAD_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
     """Programs loop over row tiles (tile, tile + programs, ...): dx for each, and this
     program's partial dw (fp32) stored to ``partial_ptr[program]`` at the end. With
@@ -181,7 +139,7 @@ def _rms_norm_backward_kernel(
             dgate = dy * h_used * scale[None, :] * sig * (1.0 + gate * (1.0 - sig))
             grad_gate_offsets = rows64 * grad_gate_stride + cols[None, :]
             tl.store(grad_gate_ptr + grad_gate_offsets,
-                     dgate.to(grad_gate_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+                     dgate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
             dy = dy * gate * sig
         if WEIGHT_GRAD:
             grad_weight += tl.sum(dy * h_used, axis=0)
@@ -237,28 +195,10 @@ def _forward(x, residual, weight, eps, offset, casting, gate=None):
     gate2 = _utils.as_rows(gate) if gate is not None else x2
     plan = _launch_plan(n_cols)
     _rms_norm_forward_kernel[(_utils.cdiv(n_rows, plan.block_rows),)](
-        x2,
-        res2,
-        gate2,
-        weight,
-        out2,
-        new_res2,
-        rstd,
-        n_rows,
-        n_cols,
-        x2.stride(0),
-        res2.stride(0),
-        gate2.stride(0),
-        out2.stride(0),
-        new_res2.stride(0),
-        weight.stride(0),
-        eps,
-        offset,
-        CASTING=_CASTING_CODES[casting],
-        HAS_RESIDUAL=residual is not None,
-        HAS_GATE=gate is not None,
-        BLOCK_ROWS=plan.block_rows,
-        BLOCK_COLS=plan.block_cols,
+        x2, res2, gate2, weight, out2, new_res2, rstd, n_rows, n_cols, x2.stride(0),
+        res2.stride(0), gate2.stride(0), out2.stride(0), new_res2.stride(0), weight.stride(0),
+        eps, offset, CASTING=_CASTING_CODES[casting], HAS_RESIDUAL=residual is not None,
+        HAS_GATE=gate is not None, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
         num_warps=plan.num_warps,
     )
     return out, new_residual, rstd
@@ -282,31 +222,11 @@ def _backward(grad_out, grad_residual, x, weight, rstd, offset, casting, weight_
         dx2 = grad_x.view(-1, n_cols)
         dgate2 = grad_gate.view(-1, n_cols) if gate is not None else dx2
         _rms_norm_backward_kernel[(programs,)](
-            dy2,
-            dres2,
-            x2,
-            gate2,
-            weight,
-            rstd,
-            dx2,
-            dgate2,
-            partial,
-            n_rows,
-            n_cols,
-            dy2.stride(0),
-            dres2.stride(0),
-            x2.stride(0),
-            gate2.stride(0),
-            dx2.stride(0),
-            dgate2.stride(0),
-            weight.stride(0),
-            offset,
-            CASTING=_CASTING_CODES[casting],
-            HAS_GRAD_RESIDUAL=grad_residual is not None,
-            HAS_GATE=gate is not None,
-            WEIGHT_GRAD=weight_grad,
-            BLOCK_ROWS=plan.block_rows,
-            BLOCK_COLS=plan.block_cols,
+            dy2, dres2, x2, gate2, weight, rstd, dx2, dgate2, partial, n_rows, n_cols,
+            dy2.stride(0), dres2.stride(0), x2.stride(0), gate2.stride(0), dx2.stride(0),
+            dgate2.stride(0), weight.stride(0), offset, CASTING=_CASTING_CODES[casting],
+            HAS_GRAD_RESIDUAL=grad_residual is not None, HAS_GATE=gate is not None,
+            WEIGHT_GRAD=weight_grad, BLOCK_ROWS=plan.block_rows, BLOCK_COLS=plan.block_cols,
             num_warps=plan.num_warps,
         )
     if not weight_grad:
@@ -400,23 +320,13 @@ class _AddRMSNormFunction(torch.autograd.Function):
         new_residual, weight, rstd = ctx.saved_tensors
         backward = _backward if _utils.plain_eager(grad_out, grad_new_residual) else _backward_op
         grad_sum, grad_weight, _ = backward(
-            grad_out,
-            grad_new_residual,
-            new_residual,
-            weight,
-            rstd,
-            *ctx.options,
-            ctx.needs_input_grad[2],
-            None,
+            grad_out, grad_new_residual, new_residual, weight, rstd, *ctx.options,
+            ctx.needs_input_grad[2], None,
         )
         x_dtype, residual_dtype = ctx.dtypes
         return (
-            grad_sum.to(x_dtype),
-            grad_sum.to(residual_dtype),
-            grad_weight if ctx.needs_input_grad[2] else None,
-            None,
-            None,
-            None,
+            grad_sum.to(x_dtype), grad_sum.to(residual_dtype),
+            grad_weight if ctx.needs_input_grad[2] else None, None, None, None,
         )
 
 
@@ -442,7 +352,7 @@ class _RMSNormGatedFunction(torch.autograd.Function):
         return (
             grad_x, grad_gate if ctx.needs_input_grad[1] else None,
             grad_weight if ctx.needs_input_grad[2] else None, None, None, None,
-        )  # fmt: skip
+        )
 
 
 # ============================================================================ public functions
@@ -457,11 +367,7 @@ def _check_kernel_limits(x: torch.Tensor) -> None:
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    *,
-    offset: float | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float | None = None,
     casting: str = "llama",
 ) -> torch.Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``.
@@ -493,17 +399,14 @@ def rms_norm(
     if _utils.backend(x) == "reference":
         return reference_rms_norm(x, weight, eps, offset=offset, casting=casting)
     _check_kernel_limits(x)
-    return _RMSNormFunction.apply(x, weight, float(eps), resolve_offset(offset, casting), casting)
+    return _RMSNormFunction.apply(
+        x, weight, float(eps), resolve_offset(offset, casting), casting
+    )
 
 
 def add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    *,
-    offset: float | None = None,
-    casting: str = "llama",
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+    offset: float | None = None, casting: str = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add fused with RMSNorm: ``s = x + residual``; returns ``(rms_norm(s), s)``.
 
@@ -524,13 +427,8 @@ def add_rms_norm(
 
 
 def rms_norm_gated(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    *,
-    offset: float | None = None,
-    casting: str = "llama",
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+    offset: float | None = None, casting: str = "llama",
 ) -> torch.Tensor:
     """Gated RMSNorm: ``rms_norm(x, weight) * silu(gate)`` in one pass (the output norm of
     Qwen3.5's and Qwen3-Next's Gated DeltaNet layers, FLA's FusedRMSNormGated).
