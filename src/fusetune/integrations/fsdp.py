@@ -54,10 +54,9 @@ def shard_lora(
     layers = decoder_layers(model) if layers is None else layers
     if not layers:
         raise ValueError("layers: none given and model has no transformers decoder layer")
-    options = dict(mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-                   ignored_params=set(trainable))  # fmt: skip
-    if mp_policy is None:
-        options.pop("mp_policy")
+    options = dict(reshard_after_forward=reshard_after_forward, ignored_params=set(trainable))
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
     if mesh is not None:
         options["mesh"] = mesh
     for layer in layers:

@@ -147,15 +147,15 @@ def _forward(x, weight, bias, silu: bool):
 def _backward(grad_out, x, weight, bias, silu: bool):
     """(dx in x's dtype, dweight in weight's dtype, dbias in its dtype or an empty tensor)."""
     grad_x = _like(x, x.dtype)
+    if not x.numel():  # sums over no element
+        grad_b = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
+        return grad_x, torch.zeros_like(weight), grad_b
     grid = _grid(x)
     parts = grid[0] * grid[2]
     width, channels = weight.shape[1], x.shape[1]
     dw_part = _utils.empty((parts, width, channels), torch.float32, x.device)
     db_part = _utils.empty((parts, channels) if bias is not None else (0,), torch.float32,
                            x.device)  # fmt: skip
-    if not x.numel():
-        grad_w = torch.zeros_like(weight)
-        return grad_x, grad_w, torch.zeros_like(bias) if bias is not None else grad_w.new_empty(0)
     _backward_kernel[grid](
         x, weight, _bias_or(bias, weight), grad_out, grad_x, dw_part, db_part,
         x.shape[2], channels, *x.stride(), *grad_out.stride(), *grad_x.stride(),
@@ -183,10 +183,8 @@ def _forward_op(x, weight, bias, silu):
 
 
 def _fake_backward(grad_out, x, weight, bias, silu):
-    empty = weight.new_empty(0)
-    return _like(x, x.dtype), torch.empty_like(weight), empty if bias is None else bias.new_empty(
-        bias.shape
-    )
+    grad_b = weight.new_empty(0) if bias is None else torch.empty_like(bias)
+    return _like(x, x.dtype), torch.empty_like(weight), grad_b
 
 
 @_utils.register_op(
