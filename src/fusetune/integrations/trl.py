@@ -79,21 +79,11 @@ class FusedHead:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):  # fmt: skip
-        original = _state["original"]
-        if _state["serving"] == 0:  # not a patched trainer's model
-            return original.apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                  final_logit_softcapping, logit_scale, outputs)  # fmt: skip
-        unserved = [name for name in outputs if name not in SERVED_OUTPUTS]
-        if unserved:
-            _warn_once(f"TRL asked its fused head for {', '.join(unserved)}, which fusetune does "
-                       "not compute: TRL's own kernel serves those calls")  # fmt: skip
-        elif hasattr(weight, "ds_id"):
-            _warn_once("lm_head is partitioned by DeepSpeed ZeRO-3: TRL's own kernel serves its "
-                       "calls (its gather holds the weight for the forward only)")  # fmt: skip
-            unserved = ["zero3"]
-        if unserved:
-            return original.apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                  final_logit_softcapping, logit_scale, outputs)  # fmt: skip
+        if not _served(outputs, weight):
+            return _state["original"].apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                logit_scale, outputs,
+            )  # fmt: skip
         ticket = _HeadTicket.current
         if ticket is not None and weight is ticket.weight:  # a sharded head: in its own call
             ticket.used = True
@@ -109,6 +99,24 @@ class FusedHead:
             return run_inside(head, inside, hidden)
         return _serve(hidden, weight, bias, targets, temperature, final_logit_softcapping,
                       logit_scale, outputs)  # fmt: skip
+
+
+def _served(outputs, weight) -> bool:
+    """Whether fusetune serves this head call. Not outside a patched trainer's models (another
+    trainer's call: TRL's kernel, silently), nor for an output it does not compute or a head
+    ZeRO-3 partitions (TRL's kernel, with one warning saying why)."""
+    if _state["serving"] == 0:
+        return False
+    unserved = [name for name in outputs if name not in SERVED_OUTPUTS]
+    if unserved:
+        _warn_once(f"TRL asked its fused head for {', '.join(unserved)}, which fusetune does "
+                   "not compute: TRL's own kernel serves those calls")  # fmt: skip
+        return False
+    if hasattr(weight, "ds_id"):
+        _warn_once("lm_head is partitioned by DeepSpeed ZeRO-3: TRL's own kernel serves its "
+                   "calls (its gather holds the weight for the forward only)")  # fmt: skip
+        return False
+    return True
 
 
 def _serve(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs) -> tuple:
