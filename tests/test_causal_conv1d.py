@@ -88,3 +88,21 @@ def test_bad_input():
     wide = torch.randn(8, conv_module.MAX_WIDTH + 1, device=DEVICE)
     if conv_module._utils.backend(x) != "reference":
         assert_raises(ValueError, "width must be at most", call, x, wide)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fake_kernels_match_real_layouts(transposed):
+    """Inductor trusts the fake kernels' strides: the weight gradient came back transposed on
+    the GPU while the fake said row-major (found by the compiled cases there)."""
+    inputs = make_inputs(2, 24, 40)
+    x = inputs["x"].float().to(DEVICE)
+    if transposed:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    weight, bias = (inputs[k].float().to(DEVICE) for k in ("weight", "bias"))
+    grad_out = torch.randn_like(x)
+    ops = torch.ops.fusetune
+    for args in [(x, weight, bias, True), (x, weight, None, False)]:
+        torch.library.opcheck(ops.causal_conv1d_forward, args, test_utils="test_faketensor")
+        torch.library.opcheck(
+            ops.causal_conv1d_backward, (grad_out, *args), test_utils="test_faketensor"
+        )

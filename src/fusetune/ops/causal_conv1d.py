@@ -148,8 +148,8 @@ def _backward(grad_out, x, weight, bias, silu: bool):
     """(dx in x's dtype, dweight in weight's dtype, dbias in its dtype or an empty tensor)."""
     grad_x = _like(x, x.dtype)
     if not x.numel():  # sums over no element
-        grad_b = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
-        return grad_x, torch.zeros_like(weight), grad_b
+        grad_b = bias.new_zeros(bias.shape) if bias is not None else weight.new_empty(0)
+        return grad_x, weight.new_zeros(weight.shape), grad_b
     grid = _grid(x)
     parts = grid[0] * grid[2]
     width, channels = weight.shape[1], x.shape[1]
@@ -162,7 +162,7 @@ def _backward(grad_out, x, weight, bias, silu: bool):
         *weight.stride(), W=width, HAS_BIAS=bias is not None, SILU=silu, BT=BLOCK_T,
         BC=BLOCK_C, num_warps=WARPS,
     )  # fmt: skip
-    grad_w = dw_part.sum(0).t().to(weight.dtype)
+    grad_w = dw_part.sum(0).t().to(weight.dtype).contiguous()  # the fake's layout
     grad_b = db_part.sum(0).to(bias.dtype) if bias is not None else grad_w.new_empty(0)
     return grad_x, grad_w, grad_b
 
@@ -183,8 +183,8 @@ def _forward_op(x, weight, bias, silu):
 
 
 def _fake_backward(grad_out, x, weight, bias, silu):
-    grad_b = weight.new_empty(0) if bias is None else torch.empty_like(bias)
-    return _like(x, x.dtype), torch.empty_like(weight), grad_b
+    grad_b = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return _like(x, x.dtype), weight.new_empty(weight.shape), grad_b
 
 
 @_utils.register_op(
