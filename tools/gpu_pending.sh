@@ -22,6 +22,16 @@ case "${1:-one}" in
     timeout 120 python3 tools/host_lora_overhead.py --device cuda --model --repeats 7 2>&1 \
       | tee "$OUT/host_lora.txt" | tail -20
     ;;
+  three)  # 1 GPU, carry .ds .trl .peers, ~9 minutes: this session's fixes, then the compiled step
+    OUT="$OUT" DEADLINE_S=230 bash tools/gpu_suite_part.sh tests/test_causal_conv1d.py \
+      tests/test_compile_routed_layers.py tests/test_trl.py tests/test_trl_grpo.py \
+      tests/test_bench_harness.py tests/test_transformers.py -k "qwen3_5 or trl or route or not \
+      test_transformers" 2>&1 | tail -30
+    timeout 300 python3 -m fusetune bench e2e --shapes llama-3.2-1b --variants \
+      hf+peft,hf+peft+fusetune,hf+peft+compile,hf+peft+fusetune+compile,hf+peft+compile+fused-loss \
+      --steps 10 --max-batch off --timeout 110 --out "$OUT/e2e-compiled" 2>&1 \
+      | tee "$OUT/e2e-compiled.log" | tail -12
+    ;;
   two)
     timeout 300 python3 -m fusetune bench e2e --nproc 2 --engine fsdp2 --lora \
       --shapes llama-3.2-1b --variants hf,fusetune,hf-shard-lora,fusetune-shard-lora \

@@ -62,9 +62,11 @@ from fusetune.bench.harness import Case, environment, register, synchronize
 SEQ_LEN = 2048
 RANK, ALPHA = 16, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+compile", "unsloth")
-# +compile: fusetune with its decoder layers compiled (opt-in); unsloth where it is installed
-# (default_variants()).
+VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+compile", "unsloth",
+            "hf+peft+compile", "hf+peft+compile+fused-loss")  # fmt: skip
+# +compile: the decoder stack compiled (opt-in): fusetune's layers, plain PEFT's (torch.compile's
+# own step), or plain PEFT's with fusetune's fused loss alone (fused-loss); unsloth where it is
+# installed (default_variants()).
 DEFAULT_VARIANTS = VARIANTS[:3]
 GIB = float(1024**3)
 RESULT_TAG = "E2E_RESULT "
@@ -244,12 +246,15 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
             torch.nn.init.normal_(param, std=0.02)
-    if variant.startswith("hf+peft+fusetune"):
-        from fusetune.integrations import transformers as hf_integration
+    from fusetune.integrations import transformers as hf_integration
 
+    if variant.startswith("hf+peft+fusetune"):
         hf_integration.apply(model)
-        if variant.endswith("+compile"):
-            hf_integration.compile_layers(model, mode=os.environ.get("FUSETUNE_COMPILE_MODE"))
+    elif variant.endswith("+fused-loss"):
+        hf_integration.apply(model, rms_norm=False, rope=False, mlp=False, lora=False,
+                             gated_delta=False, experts=False)  # fmt: skip
+    if "+compile" in variant:
+        hf_integration.compile_layers(model, mode=os.environ.get("FUSETUNE_COMPILE_MODE"))
     return model
 
 
