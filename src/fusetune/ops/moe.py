@@ -632,7 +632,9 @@ def _backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down
         dx = _utils.empty((route.n_rows, layout.hidden), dtype, x.device)
         _grouped_mm(dgu, w_gu.transpose(1, 2), route, dx, scatter=True, xa=g_gu,
                     lb=a_gu.transpose(1, 2) if lora_gu else None, scaling=s_gu)
-        grads["x"] = dx.view(n, layout.top_k, layout.hidden).sum(1, dtype=torch.float32)
+        # summed in fp32, returned in the compute dtype (as the fake says)
+        dx = dx.view(n, layout.top_k, layout.hidden).sum(1, dtype=torch.float32)
+        grads["x"] = dx.to(dtype)
     _lora_grads(grads, need, route, x, dout, dgu, h, g_gu, g_d, xa_gu, xa_d, weights, a_gu,
                 b_gu, a_d, b_d, s_gu, s_d)
     _weight_grads(grads, need, route, layout, x, dout, dgu, h, weights, gate_up, down, slots)
@@ -726,7 +728,8 @@ def _forward_op(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bia
 
 
 def _grad_like(shape, dtype, like, wanted):
-    return like.new_empty(shape if wanted else (0,), dtype=dtype)
+    """A wanted gradient; else the real op's placeholder, an empty tensor in x's dtype."""
+    return like.new_empty(shape, dtype=dtype) if wanted else like.new_empty((0,))
 
 
 def _fake_backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias,
