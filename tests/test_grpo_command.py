@@ -122,3 +122,39 @@ def test_one_process_sees_one_gpu(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert command.one_visible_gpu("cuda") == "cuda"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_checkpoint_wrapped_peft_model_saves_the_whole_adapter(tmp_path):
+    """--fsdp checkpoints activations with torch's checkpoint_wrapper: module paths then hold
+    `_checkpoint_wrapped_module.` and state_dict keys do not, and PEFT saved an empty adapter
+    from the gathered state (2x H100, peft 0.21.0). The save keeps every matrix, named as an
+    unwrapped model's."""
+    import peft
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrapper
+
+    from fusetune.grpo.command import save_pretrained
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)
+    model.save_pretrained(str(tmp_path / "plain"))
+    wrapper.apply_activation_checkpointing(
+        model, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer"
+    )
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    save_pretrained(
+        model, tmp_path / "wrapped", {k: v.clone() for k, v in model.state_dict().items()}
+    )
+    want = load_file(str(tmp_path / "plain" / "adapter_model.safetensors"))
+    got = load_file(str(tmp_path / "wrapped" / "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and len(want) == 8
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

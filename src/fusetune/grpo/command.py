@@ -385,11 +385,39 @@ def gathered_state(model: torch.nn.Module) -> dict | None:
     return full_state_dict(model, ranks)
 
 
+# torch's checkpoint_wrapper (FSDP2's activation checkpointing) holds each layer under this
+# name: module paths keep it, state_dict keys drop it
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def save_pretrained(model: torch.nn.Module, folder: Path, state: dict | None) -> None:
+    """``model.save_pretrained``, with ``state`` (a gathered full state dict) for a sharded model.
+
+    PEFT (0.21) picks a state dict's adapter entries by module path, and under FSDP2's
+    activation checkpointing a path holds ``_checkpoint_wrapped_module.`` where the state key
+    does not: it found none and saved an empty adapter. So PEFT gets the state keyed by module
+    path, and the segment leaves the saved names (those of an unwrapped model) afterwards."""
+    wrapped = state is not None and hasattr(model, "peft_config") and any(
+        _CHECKPOINT_WRAPPED in name for name, _ in model.named_parameters()
+    )  # fmt: skip
+    if not wrapped:
+        model.save_pretrained(str(folder), state_dict=state)
+        return
+    from safetensors.torch import load_file, save_file
+
+    paths = {name.replace(_CHECKPOINT_WRAPPED, ""): name for name, _ in model.named_parameters()}
+    model.save_pretrained(str(folder), state_dict={paths.get(k, k): v for k, v in state.items()})
+    for file in folder.glob("adapter_model*.safetensors"):
+        adapter = load_file(str(file))
+        save_file({k.replace(_CHECKPOINT_WRAPPED, ""): v for k, v in adapter.items()}, str(file),
+                  metadata={"format": "pt"})  # fmt: skip
+
+
 def save(args, spec, trainer, tokenizer, runs, state: dict | None = None) -> str:
     """Rank 0 writes the output; ``state``: the gathered state dict of a sharded model."""
     output = Path(args.output)
     with staged_output(output) as staging:
-        trainer.model.save_pretrained(str(staging), state_dict=state)
+        save_pretrained(trainer.model, staging, state)
         tokenizer.save_pretrained(str(staging))
         options = {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()}
         record = {
