@@ -40,6 +40,11 @@ def shard_lora(
     An adapter that got no gradient on a rank counts as zero there: after the average every
     trainable parameter has a gradient.
 
+    ``mp_policy`` casts only what FSDP2 manages: the adapters compute in their own dtype.
+    fusetune's LoRA ops read fp32 adapters beside a bf16 base at bf16 speed; plain PEFT casts
+    its input to the adapters' dtype and runs the LoRA products in fp32 (2x H100, Llama-3.2-1B:
+    HF + PEFT 41.7k -> 30.9k tokens/s per GPU with shard_lora, fusetune 42.6k -> 54.5k).
+
     Returns ``model`` (sharded in place). Raises ValueError when ``model`` has no trainable
     parameter, or no frozen one (nothing to shard: use ``fully_shard``), or no layer to shard.
     """
