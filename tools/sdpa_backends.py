@@ -3,15 +3,15 @@
 transformers calls ``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``
 when there is no padding mask; PyTorch then picks a backend by its own priority order. This
 times each backend that accepts the call (and the default pick) on one layer's attention,
-bf16, median of CUDA-event timings. Usage: python3 tools/sdpa_backends.py
+bf16, median of Triton's do_bench (the log in docs/bench/session-2026-11-26-fourth/ was
+taken with a plain CUDA-event median of 20 calls). Usage: python3 tools/sdpa_backends.py
 """
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
+import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # name: (batch, query heads, key/value heads, head dim), sequence 2048
@@ -23,18 +23,9 @@ BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
 SEQ = 2048
 
 
-def time_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(fn) -> float:
+    """Median ms of ``fn`` (Triton's do_bench: CUDA events, L2 flushed between calls)."""
+    return triton.testing.do_bench(fn, return_mode="median")
 
 
 def attention_step(q, k, v, grad, gqa: bool):
