@@ -108,6 +108,9 @@ def test_jobs_order_and_choices():
     assert distributed._variant_name(replicated) == "hf+peft+fusetune, adapters replicated"
     hf_replicated = {**replicated, "variant": "hf-shard-lora"}
     assert distributed._variant_name(hf_replicated) == "hf+peft, adapters replicated"
+    both = {**replicated, "variant": "fusetune-shard-lora-compiled"}
+    assert distributed.not_run({**both, "mode": "full"}, cuda=True).endswith("for LoRA")
+    assert distributed._variant_name(both) == "hf+peft+fusetune, adapters replicated, compiled"
     args.variants = "hf,nope"
     with pytest.raises(SystemExit, match="--variants: unknown"):
         distributed.jobs(args, tiny=True)

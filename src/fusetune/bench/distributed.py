@@ -45,7 +45,8 @@ from fusetune.bench.cases_e2e import (
 )
 
 VARIANTS = ("hf", "liger", "fusetune", "hf-compiled", "fusetune-compiled", "hf-shard-lora",
-            "fusetune-shard-lora")  # fmt: skip
+            "fusetune-shard-lora", "hf-shard-lora-compiled",
+            "fusetune-shard-lora-compiled")  # fmt: skip
 DEFAULT_VARIANTS = VARIANTS[:3]  # the others (FSDP2 only) on request
 ENGINES = ("fsdp2", "zero3")
 TAG = "RESULT "
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="of hf, liger, fusetune, hf-compiled, fusetune-compiled (each "
                              "decoder layer compiled after sharding; FSDP2 only), "
                              "hf-shard-lora, fusetune-shard-lora (FSDP2 LoRA: the adapters "
-                             "replicated, fusetune.integrations.fsdp.shard_lora)")  # fmt: skip
+                             "replicated, fusetune.integrations.fsdp.shard_lora), and both "
+                             "(hf-shard-lora-compiled, fusetune-shard-lora-compiled)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=None, help="per GPU (default: e2e's)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median; 8)")
@@ -110,7 +112,7 @@ def not_run(job: dict[str, Any], cuda: bool) -> str | None:
     if job["engine"] == "zero3" and job["variant"].endswith("-compiled"):
         return "skipped: the compiled variants run under FSDP2"
     lora_fsdp2 = (job["engine"], job["mode"]) == ("fsdp2", "lora")
-    if job["variant"].endswith("-shard-lora") and not lora_fsdp2:
+    if "-shard-lora" in job["variant"] and not lora_fsdp2:
         return "skipped: shard_lora is FSDP2 for LoRA"
     if job["engine"] == "zero3" and importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (not a dependency)"
@@ -350,13 +352,13 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
 
 def _variant_name(row: dict[str, Any]) -> str:
     variant = row["variant"]
-    if variant.endswith("-shard-lora"):
-        base = "hf+peft" if variant.startswith("hf") else "hf+peft+fusetune"
-        return f"{base}, adapters replicated"
     base, compiled = variant.removesuffix("-compiled"), variant.endswith("-compiled")
+    replicated = base.endswith("-shard-lora")
+    base = base.removesuffix("-shard-lora")
     if row["mode"] == "lora":
         base = "hf+peft" if base == "hf" else f"hf+peft+{base}"
-    return base + (", compiled" if compiled else "")
+    suffixes = [", adapters replicated"] * replicated + [", compiled"] * compiled
+    return base + "".join(suffixes)
 
 
 def describe(row: dict[str, Any]) -> str:

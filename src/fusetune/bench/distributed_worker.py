@@ -201,7 +201,7 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         step = zero3_step(model, job["batch"])
     else:
         step = fsdp2_step(model, untied_head=job["mode"] == "full",
-                          replicate_adapters=job["variant"].endswith("-shard-lora"))  # fmt: skip
+                          replicate_adapters="-shard-lora" in job["variant"])  # fmt: skip
         if job["variant"].endswith("-compiled"):
             compile_each_layer(model, device)
     generator = torch.Generator().manual_seed(dist.get_rank())
