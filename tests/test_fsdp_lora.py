@@ -128,3 +128,27 @@ def test_shard_lora_refuses_what_it_cannot_shard():
     model.requires_grad_(True)
     with pytest.raises(ValueError, match="model: every parameter trains"):
         shard_lora(model)
+
+
+def test_plain_peft_layers_under_a_narrower_policy_are_named():
+    """FSDP2's policy does not cast the replicated adapters: PEFT layers fusetune does not route
+    would run their LoRA products in float32 (measured slower on 2x H100). shard_lora says so
+    before sharding; routed layers, 16-bit adapters or no policy say nothing."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fusetune.integrations.fsdp import adapters_left_wide
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = lora_model("llama", num_hidden_layers=1)
+    note = adapters_left_wide(model, policy)
+    assert note is not None and "7 PEFT LoRA layers" in note and "fusetune.apply" in note
+    with pytest.warns(UserWarning, match="shard_lora: 7 PEFT LoRA layers"):
+        with pytest.raises((RuntimeError, ValueError)):  # no process group: fully_shard refuses
+            shard_lora(model, mp_policy=policy)
+    assert adapters_left_wide(model, None) is None
+    assert adapters_left_wide(model, MixedPrecisionPolicy()) is None
+    fusetune.apply(model)
+    assert adapters_left_wide(model, policy) is None
+    fusetune.revert(model)
+    model.to(torch.bfloat16)
+    assert adapters_left_wide(model, policy) is None
