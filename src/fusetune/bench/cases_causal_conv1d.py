@@ -37,7 +37,10 @@ def _make(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
     x = btc.transpose(1, 2).requires_grad_()
     weight = (torch.randn(channels, WIDTH, device=device) * 0.5).to(dtype).requires_grad_()
     bias = (torch.randn(channels, device=device) * 0.1).to(dtype).requires_grad_()
-    grads = [torch.randn(batch, channels, time, device=device, dtype=dtype)]
+    # the output's gradient in the output's memory order, [B, T, C] seen as [B, C, T], as
+    # transformers' transpose back hands it over (a [B, C, T]-contiguous one was timed before
+    # 2026-11-26 (fourth): uncoalesced beside channel-contiguous x, for every provider)
+    grads = [torch.randn(batch, time, channels, device=device, dtype=dtype).transpose(1, 2)]
     leaves = [x, weight, bias]
     providers = {
         "fusetune": backward_step(
