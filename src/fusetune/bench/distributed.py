@@ -26,6 +26,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,7 +52,6 @@ DEFAULT_VARIANTS = VARIANTS[:3]  # the others (FSDP2 only) on request
 ENGINES = ("fsdp2", "zero3")
 TAG = "RESULT "
 LAUNCH_TIMEOUT_S = 240
-FIRST_PORT = 29611
 ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$")
 
 
@@ -237,7 +237,7 @@ def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
     gpus = torch.cuda.device_count() if cuda else 0
     tiny = args.tiny or not cuda
     out = Path(args.out)
-    ports = itertools.count(FIRST_PORT)
+    ports = iter(free_port, None)  # a fixed port collided with another job's launch
     rows: list[dict[str, Any]] = []
     signal.signal(signal.SIGTERM, _end_live_launches)
 
@@ -280,6 +280,13 @@ def _groups(found: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now, for one launch's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _devices(slot: int, nproc: int) -> str:
