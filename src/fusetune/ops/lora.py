@@ -551,16 +551,21 @@ class _LoraMLPFunction(torch.autograd.Function):
         eager = _utils.plain_eager(x, *tensors)
         glu = _glu_forward if eager else _glu_forward_op
         xc = _cast(x, dtype)
-        xa_gate_up = torch.mm(xc, _stacked_a(groups[:2], dtype).t())
+        # the adapters in the compute dtype, kept for the backward (a few KB each): casting
+        # them again there was 7 more launches a call with fp32 adapters
+        adapters = (_stacked_a(groups[:2], dtype), *(_cast(t, dtype) for t in
+                    (b_gate, b_up, a_down, b_down)))  # fmt: skip
+        a_gate_up, b_gate_c, b_up_c, a_down_c, b_down_c = adapters
+        xa_gate_up = torch.mm(xc, a_gate_up.t())
         xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
         gate = _linear(xc, w_gate, bias_gate, dtype)
         up = _linear(xc, w_up, bias_up, dtype)
-        h = glu(gate, up, xa_gate, xa_up, _cast(b_gate, dtype), _cast(b_up, dtype), s_gate, s_up,
-                activation)
-        xa_down = torch.mm(h, _cast(a_down, dtype).t())
+        h = glu(gate, up, xa_gate, xa_up, b_gate_c, b_up_c, s_gate, s_up, activation)
+        xa_down = torch.mm(h, a_down_c.t())
         y = _linear(h, w_down, bias_down, dtype)
-        y = _add_mm(y, xa_down, _cast(b_down, dtype).t(), s_down, eager)
-        ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *_without_bias(groups))
+        y = _add_mm(y, xa_down, b_down_c.t(), s_down, eager)
+        ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *adapters,
+                              *_without_bias(groups))  # fmt: skip
         ctx.dtype, ctx.activation, ctx.scalings = dtype, activation, scalings
         ctx.flags = tuple(ctx.needs_input_grad)  # (see _LoraProjectionsFunction.forward)
         ctx.overwritten = False
@@ -570,7 +575,7 @@ class _LoraMLPFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         x, gate, up, xa_gate_up, xa_down, *tensors = ctx.saved_tensors
-        groups, dtype = _with_bias(tensors), ctx.dtype
+        adapters, groups, dtype = tensors[:5], _with_bias(tensors[5:]), ctx.dtype
         s_gate, s_up, s_down = ctx.scalings
         (needs_a_gate, needs_a_up, need_a_down), (need_b_gate, need_b_up, need_b_down) = (
             _needs(ctx, groups, 4)
@@ -586,7 +591,8 @@ class _LoraMLPFunction(torch.autograd.Function):
         upstream = (need_x, needs_a_gate, needs_a_up, need_a_down, need_b_gate, need_b_up)
         if any(upstream):
             xas = _thin_columns(xa_gate_up, groups[:2])
-            grad_gate, grad_up, sums = _mlp_activation_backward(ctx, groups, dy, gate, up, xas)
+            grad_gate, grad_up, sums = _mlp_activation_backward(ctx, groups, adapters, dy,
+                                                                gate, up, xas)  # fmt: skip
             del gate, up  # (eager: grad_gate and grad_up are these buffers, overwritten)
             sum_a_down, sum_b_gate, sum_b_up = sums
             grad_a_down = _grad_to(sum_a_down, a_down) if need_a_down else None
@@ -603,24 +609,23 @@ class _LoraMLPFunction(torch.autograd.Function):
             if need_x:
                 grad_x = torch.mm(grad_gate, _dense(gate_group[0], dtype))
                 grad_x = _add_mm(grad_x, grad_up, _dense(up_group[0], dtype), 1, eager)
-                grad_x = _add_mm(grad_x, g, _stacked_a(groups[:2], dtype), 1, eager)
+                grad_x = _add_mm(grad_x, g, adapters[0], 1, eager)
                 grad_x = _cast(grad_x, x.dtype)
         return (grad_x, None, None, None, None, None, grad_a_gate, grad_b_gate, None, None,
                 grad_a_up, grad_b_up, None, None, grad_a_down, grad_b_down)
 
 
-def _mlp_activation_backward(ctx, groups, dy, gate, up, xas):
+def _mlp_activation_backward(ctx, groups, adapters, dy, gate, up, xas):
     """(dgate, dup, (s_d g_d^T h, s_g xa_g^T dgate, s_u xa_u^T dup)) through the backward
-    kernel (``xas``: the saved xa_gate and xa_up). In eager mode dgate and dup overwrite the
-    saved gate and up."""
-    dtype = ctx.dtype
-    (_, _, _, b_gate), (_, _, _, b_up), (w_down, _, a_down, b_down) = groups
+    kernel (``adapters``: the forward's, in the compute dtype; ``xas``: the saved xa_gate and
+    xa_up). In eager mode dgate and dup overwrite the saved gate and up."""
+    _, b_gate, b_up, a_down, b_down = adapters
     s_gate, s_up, s_down = ctx.scalings
     xa_gate, xa_up = xas
-    g_down = torch.mm(dy, _cast(b_down, dtype))
-    grad_h = torch.mm(dy, _dense(w_down, dtype))  # without its LoRA term: the kernel adds it
-    args = (grad_h, g_down, _cast(a_down, dtype), s_down, gate, up, xa_gate, xa_up,
-            _cast(b_gate, dtype), _cast(b_up, dtype), s_gate, s_up, ctx.activation)
+    g_down = torch.mm(dy, b_down)
+    grad_h = torch.mm(dy, _dense(groups[2][0], ctx.dtype))  # its LoRA term: the kernel adds it
+    args = (grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate,
+            s_up, ctx.activation)
     if not _utils.plain_eager(dy, gate, up):
         grad_gate, grad_up, *sums = _glu_backward_op(*args)
         return grad_gate, grad_up, sums
@@ -718,8 +723,9 @@ def lora_mlp(
     The activation is a Triton kernel that also applies the gate and up adapters; its backward
     recomputes act(gate) * up instead of storing it and writes dgate and dup over the saved gate
     and up outputs (eager mode; compiled graphs use fresh buffers). Saved for backward: x, the
-    gate and up outputs and three [N, r] tensors. Backward through one graph works once
-    (retain_graph=True and a second backward raise a RuntimeError).
+    gate and up outputs, three [N, r] tensors and the adapters in the compute dtype. Backward
+    through one graph works once (retain_graph=True and a second backward raise a
+    RuntimeError).
 
     Returns [..., hidden_out] in the compute dtype (see :func:`lora_linear`); gradients of x and
     the six adapters in their own dtypes.
