@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fusetune
+from fusetune.finetune.distributed import free_port  # noqa: F401 - the tests' import point
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -250,16 +251,6 @@ def assert_raises(error: type[Exception], match: str, fn: Callable, *args, **kwa
 def uses_kernels(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s ops run Triton (compiled or interpreted), not the reference."""
     return fusetune.backend(tensor) != "reference"
-
-
-def free_port() -> int:
-    """A TCP port free now on this host, for a spawned process group's rendezvous (a fixed
-    port collides when two xdist workers spawn at once)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def graphs_compiled() -> int:

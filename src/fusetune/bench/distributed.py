@@ -26,7 +26,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from fusetune.bench.cases_e2e import (
     parse_choices,
     profile_lines,
 )
+from fusetune.finetune.distributed import free_port
 
 VARIANTS = ("hf", "liger", "fusetune", "hf-compiled", "fusetune-compiled", "hf-shard-lora",
             "fusetune-shard-lora", "hf-shard-lora-compiled",
@@ -280,13 +280,6 @@ def _groups(found: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def free_port() -> int:
-    """A TCP port no process listens on now, for one launch's rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _devices(slot: int, nproc: int) -> str:

@@ -11,6 +11,7 @@ Rank 0 prints and saves (a full state dict gathered from the shards)."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,14 @@ class Ranks:
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def free_port() -> int:
+    """A TCP port free now on this host, for one process group's rendezvous (a fixed port
+    collides with another launch: two xdist workers, or two bench jobs at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def setup(device: torch.device) -> tuple[Ranks, torch.device]:
