@@ -246,6 +246,8 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
     for name, param in model.named_parameters():
         if "lora_B" in name:  # PEFT starts B at zero; trained adapters are not
             torch.nn.init.normal_(param, std=0.02)
+    if variant == "hf+peft":  # the baseline imports nothing of fusetune's integrations
+        return model
     from fusetune.integrations import transformers as hf_integration
 
     if variant.startswith("hf+peft+fusetune"):

@@ -397,15 +397,15 @@ def save_pretrained(model: torch.nn.Module, folder: Path, state: dict | None) ->
     activation checkpointing a path holds ``_checkpoint_wrapped_module.`` where the state key
     does not: it found none and saved an empty adapter. So PEFT gets the state keyed by module
     path, and the segment leaves the saved names (those of an unwrapped model) afterwards."""
-    wrapped = state is not None and hasattr(model, "peft_config") and any(
-        _CHECKPOINT_WRAPPED in name for name, _ in model.named_parameters()
-    )  # fmt: skip
-    if not wrapped:
+    paths = {}  # state key -> module path, where they differ
+    if state is not None and hasattr(model, "peft_config"):
+        wrapped = [name for name, _ in model.named_parameters() if _CHECKPOINT_WRAPPED in name]
+        paths = {name.replace(_CHECKPOINT_WRAPPED, ""): name for name in wrapped}
+    if not paths:
         model.save_pretrained(str(folder), state_dict=state)
         return
     from safetensors.torch import load_file, save_file
 
-    paths = {name.replace(_CHECKPOINT_WRAPPED, ""): name for name, _ in model.named_parameters()}
     model.save_pretrained(str(folder), state_dict={paths.get(k, k): v for k, v in state.items()})
     for file in folder.glob("adapter_model*.safetensors"):
         adapter = load_file(str(file))
