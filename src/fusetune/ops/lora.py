@@ -591,7 +591,7 @@ class _LoraMLPFunction(torch.autograd.Function):
         upstream = (need_x, needs_a_gate, needs_a_up, need_a_down, need_b_gate, need_b_up)
         if any(upstream):
             xas = _thin_columns(xa_gate_up, groups[:2])
-            grad_gate, grad_up, sums = _mlp_activation_backward(ctx, groups, adapters, dy,
+            grad_gate, grad_up, sums = _mlp_activation_backward(ctx, groups[2][0], adapters, dy,
                                                                 gate, up, xas)  # fmt: skip
             del gate, up  # (eager: grad_gate and grad_up are these buffers, overwritten)
             sum_a_down, sum_b_gate, sum_b_up = sums
@@ -615,7 +615,7 @@ class _LoraMLPFunction(torch.autograd.Function):
                 grad_a_up, grad_b_up, None, None, grad_a_down, grad_b_down)
 
 
-def _mlp_activation_backward(ctx, groups, adapters, dy, gate, up, xas):
+def _mlp_activation_backward(ctx, w_down, adapters, dy, gate, up, xas):
     """(dgate, dup, (s_d g_d^T h, s_g xa_g^T dgate, s_u xa_u^T dup)) through the backward
     kernel (``adapters``: the forward's, in the compute dtype; ``xas``: the saved xa_gate and
     xa_up). In eager mode dgate and dup overwrite the saved gate and up."""
@@ -623,7 +623,7 @@ def _mlp_activation_backward(ctx, groups, adapters, dy, gate, up, xas):
     s_gate, s_up, s_down = ctx.scalings
     xa_gate, xa_up = xas
     g_down = torch.mm(dy, b_down)
-    grad_h = torch.mm(dy, _dense(groups[2][0], ctx.dtype))  # its LoRA term: the kernel adds it
+    grad_h = torch.mm(dy, _dense(w_down, ctx.dtype))  # without its LoRA term: the kernel adds it
     args = (grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate,
             s_up, ctx.activation)
     if not _utils.plain_eager(dy, gate, up):
