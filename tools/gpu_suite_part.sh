@@ -6,11 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-suite}
 mkdir -p "$OUT"
-wheels=$(ls .bnb/*.whl .ds/*.whl .trl/*.whl .peers/*.whl 2>/dev/null)  # the carried ones
-if [ -n "$wheels" ]; then
-  # shellcheck disable=SC2086
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site $wheels >"$OUT/pip.txt" 2>&1
-fi
+bash tools/install_carried.sh .bnb .ds .trl .peers >"$OUT/pip.txt" 2>&1
 export PYTHONPATH=${SRC:-src}:tests:/tmp/site PYTHONUNBUFFERED=1  # SRC: another source tree
 log="$OUT/suite-part.txt"
 setsid python3 -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider -rfE -o faulthandler_timeout=150 \

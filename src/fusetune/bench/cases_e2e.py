@@ -120,6 +120,26 @@ SHAPES = {
         ),
         batch=8,
     ),
+    # The 8B class (issue 17's scaling run, --nproc): LoRA at full depth fits one H100 at batch
+    # 2; full fine-tuning's fp32 state (16 bytes a parameter) needs --layers 8 to fit one.
+    "llama-3.1-8b": Shape(
+        "Llama-3.1-8B",
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+        batch=2,
+        default=False,
+    ),
     # Issue 19's families, on request (--shapes): the largest vocabulary, a fused gate_up, and a
     # hybrid of Gated DeltaNet and attention layers.
     "gemma3-1b": Shape(
@@ -203,10 +223,13 @@ TINY_CONFIG = dict(
 TINY_SEQ_LEN, TINY_BATCH = 64, 2
 
 
-def model_config(shape: Shape, tiny: bool) -> Any:
+def model_config(shape: Shape, tiny: bool, layers: int | None = None) -> Any:
+    """The shape's transformers config (tiny widths for smoke runs; ``layers``: that depth)."""
     import transformers
 
     settings = {**shape.config, **TINY_CONFIG} if tiny else dict(shape.config)
+    if layers:
+        settings["num_hidden_layers"] = layers
     return transformers.AutoConfig.for_model(shape.model_type, **settings)
 
 

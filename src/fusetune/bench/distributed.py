@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Training steps on N GPUs (FSDP2 or DeepSpeed ZeRO-3) against 1 GPU: "
         "HF (+PEFT), + Liger-Kernel, + fusetune; tokens/s and peak GiB per GPU, scaling.",
     )
-    parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per launch")
+    parser.add_argument("--nproc", type=gpu_counts, required=True,
+                        help="GPUs (ranks) per launch; a comma list (2,4,8) runs each size")
     parser.add_argument("--engine", default="fsdp2", help="fsdp2, zero3 or both (comma list)")
     parser.add_argument("--full", action="store_true", help="full fine-tuning")
     parser.add_argument("--lora", action="store_true", help="LoRA (the default; both: both)")
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(hf-shard-lora-compiled, fusetune-shard-lora-compiled)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=None, help="per GPU (default: e2e's)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the shape's; fewer: a reduced-depth model "
+                        "whose full fine-tuning state fits one GPU)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median; 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="per launch, s")
@@ -84,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
     parser.add_argument("--out", default="bench_results", help="folder for results and logs")
     return parser
+
+
+def gpu_counts(text: str) -> list[int]:
+    """``--nproc``: "4" or "2,4,8", each a positive count, in increasing order."""
+    try:
+        counts = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count or a comma list of counts: {text!r}")
+    if counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"GPU counts must be positive: {text!r}")
+    return counts
 
 
 def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
@@ -101,7 +116,7 @@ def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
         seq_len = args.seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
         job = dict(engine=engine, mode=mode, shape=key, variant=variant, batch=batch)
         found.append({**job, "seq_len": seq_len, "steps": args.steps, "warmup": args.warmup,
-                      "tiny": tiny, "profile": args.profile})  # fmt: skip
+                      "tiny": tiny, "layers": args.layers, "profile": args.profile})  # fmt: skip
     return found
 
 
@@ -232,7 +247,7 @@ def launch_units(group: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
-    """Every job at 1 GPU (side by side where the machine has several) then at --nproc."""
+    """Every job at 1 GPU (side by side where the machine has several) then at each --nproc."""
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
     tiny = args.tiny or not cuda
@@ -251,10 +266,10 @@ def run_all(args: argparse.Namespace, on_row) -> list[dict[str, Any]]:
         for job in group:
             why = not_run(job, cuda)
             if why:
-                finish({**job, "nproc": args.nproc, "note": why})
+                finish({**job, "nproc": args.nproc[-1], "note": why})
             else:
                 runnable.append(job)
-        sizes = ([] if args.no_single or args.nproc == 1 else [1]) + [args.nproc]
+        sizes = sorted(set(args.nproc) | (set() if args.no_single else {1}))
         for nproc in sizes:
             side_by_side = max(1, gpus // nproc) if cuda else 1
             for wave in _chunks(launch_units(runnable), side_by_side):
@@ -338,7 +353,7 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
     return (
         row["engine"],
         row["mode"],
-        SHAPES[row["shape"]].name + (" (tiny)" if row.get("tiny") else ""),
+        shape_name(row),
         _variant_name(row),
         str(row["nproc"]),
         f"{row['tokens_per_s_per_gpu']:,.0f}" if timed else "-",
@@ -348,6 +363,13 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
         f"{row['efficiency']:.0%}" if row.get("efficiency") else "-",
         note,
     )
+
+
+def shape_name(row: dict[str, Any]) -> str:
+    name = SHAPES[row["shape"]].name
+    if row.get("layers"):
+        name += f", {row['layers']} layer" + "s" * (row["layers"] != 1)
+    return name + (" (tiny)" if row.get("tiny") else "")
 
 
 def _variant_name(row: dict[str, Any]) -> str:

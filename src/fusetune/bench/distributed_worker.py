@@ -66,7 +66,7 @@ def build(job: dict[str, Any], device: torch.device) -> torch.nn.Module:
     shape = SHAPES[job["shape"]]
     if job["variant"] == "liger":
         apply_liger(shape.model_type)
-    config = model_config(shape, job["tiny"])
+    config = model_config(shape, job["tiny"], layers=job.get("layers"))
     if job["engine"] == "fsdp2" and job["mode"] == "full":
         config.tie_word_embeddings = False  # a head of its own, to shard on its own
     torch.manual_seed(0)
