@@ -95,7 +95,8 @@ def gpu_counts(text: str) -> list[int]:
     try:
         counts = sorted({int(part) for part in text.split(",")})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a count or a comma list of counts: {text!r}")
+        message = f"not a count or a comma list of counts: {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
     if counts[0] < 1:
         raise argparse.ArgumentTypeError(f"GPU counts must be positive: {text!r}")
     return counts
