@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "HF (+PEFT), + Liger-Kernel, + fusetune; tokens/s and peak GiB per GPU, scaling.",
     )
     parser.add_argument("--nproc", type=gpu_counts, required=True,
-                        help="GPUs (ranks) per launch; a comma list (2,4,8) runs each size")
+                        help="GPUs (ranks) per launch; a list (2,4,8) runs each")  # fmt: skip
     parser.add_argument("--engine", default="fsdp2", help="fsdp2, zero3 or both (comma list)")
     parser.add_argument("--full", action="store_true", help="full fine-tuning")
     parser.add_argument("--lora", action="store_true", help="LoRA (the default; both: both)")
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: the shape's; fewer: a reduced-depth model "
-                        "whose full fine-tuning state fits one GPU)")
+                        "whose full fine-tuning state fits one GPU)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=8, help="timed steps (median; 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--timeout", type=float, default=LAUNCH_TIMEOUT_S, help="per launch, s")
