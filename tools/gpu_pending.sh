@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# What the stop of 2026-11-26 (fourth) left GPU-untested, in one call on 2 GPUs (the first test
-# needs them), carry .ds .trl .peers, ~6 minutes; logs under $OUT:
-#   the grpo --fsdp adapter save (checkpoint_wrapper's module paths), the fake-kernel opcheck of
-#   every custom op, and the MoE tests (moe_backward's dx dtype and its fake's empty gradients).
-# `bash tools/gpu_pending.sh measure` (1 GPU, no carry, ~9 minutes): the measurements this stop
-#   had no device time for: bench causal_conv1d (the gradient layout fixed), the compiled step
-#   under FSDP2 with shard_lora (issue 16's compiled gap), and Qwen3.5-small's e2e row (19).
+# What the first 4-GPU suite run of 2026-11-26 (fifth) left without a result, in one call on 2
+# GPUs (carry .bnb .ds .trl .peers, ~5 minutes), logs under $OUT:
+#   the grpo --fsdp test (failed there; its traceback printed here), then side by side the MoE
+#   and Gated DeltaNet cases that CPU oversubscription pushed past that run's deadline.
+# `bash tools/gpu_pending.sh measure` (1 GPU, no carry, ~9 minutes): bench causal_conv1d (the
+#   gradient layout fixed), the compiled step under FSDP2 with shard_lora (issue 16's compiled
+#   gap), and Qwen3.5-small's e2e row (19).
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-pending}
 mkdir -p "$OUT"
@@ -22,9 +22,14 @@ if [ "${1:-}" = measure ]; then
   echo "done in $SECONDS s"
   exit 0
 fi
-OUT="$OUT" WORKERS=0 DEADLINE_S=150 bash tools/gpu_suite_part.sh tests/test_grpo_distributed.py \
-  -k fsdp_two_gpus 2>&1 | tail -5
-cp "$OUT/suite-part.txt" "$OUT/grpo-fsdp.txt"
-OUT="$OUT" DEADLINE_S=240 bash tools/gpu_suite_part.sh tests/test_fake_kernels.py \
-  tests/test_moe.py 2>&1 | tail -30
+OUT="$OUT/grpo" WORKERS=0 DEADLINE_S=150 bash tools/gpu_suite_part.sh \
+  tests/test_grpo_distributed.py -k fsdp_two_gpus --tb=long >/dev/null 2>&1
+sed -n '/= FAILURES =/,$p' "$OUT/grpo/suite-part.txt" | tail -70
+tail -3 "$OUT/grpo/suite-part.txt"
+CUDA_VISIBLE_DEVICES=0 OUT="$OUT/gdn" PARTS=2 DEADLINE_S=330 bash tools/gpu_suite_part.sh \
+  tests/test_gated_delta_rule.py -k "gpu or route" >"$OUT/gdn.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=1 OUT="$OUT/moe" PARTS=2 DEADLINE_S=330 bash tools/gpu_suite_part.sh \
+  tests/test_moe.py -k "large_shapes or route_trains" >"$OUT/moe.log" 2>&1 &
+wait
+tail -n 25 "$OUT/gdn.log" "$OUT/moe.log"
 echo "done in $SECONDS s"

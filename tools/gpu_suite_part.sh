@@ -8,8 +8,15 @@ OUT=${OUT:-/tmp/fusetune-gpu-suite}
 mkdir -p "$OUT"
 bash tools/install_carried.sh .bnb .ds .trl .peers >"$OUT/pip.txt" 2>&1
 export PYTHONPATH=${SRC:-src}:tests:/tmp/site PYTHONUNBUFFERED=1  # SRC: another source tree
+# CPU threads per worker: the float64 references run on the CPU, and torch's default (every
+# core in each of 12+ workers, PARTS parts side by side) oversubscribed the 64-core 4-GPU host
+# until MoE and Gated DeltaNet cases ran past the deadline.
+workers=${WORKERS:-12}
+threads=$(($(nproc) / ((workers > 0 ? workers : 1) * ${PARTS:-1})))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+export LC_ALL=C  # one sort order for the collected and finished lists
 log="$OUT/suite-part.txt"
-setsid python3 -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider -rfE -o faulthandler_timeout=150 \
+setsid python3 -m pytest -v -n "$workers" -p no:cacheprovider -rfE -o faulthandler_timeout=150 \
   "$@" >"$log" 2>&1 &
 pid=$!
 deadline=$((SECONDS + ${DEADLINE_S:-280}))
@@ -19,7 +26,8 @@ if kill -0 "$pid" 2>/dev/null; then
   echo "=== deadline: killed at $SECONDS s; collected but without a result:" | tee -a "$log"
   timeout 60 python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null \
     | grep "::" | sort >"$OUT/collected.txt"
-  grep -oE "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) tests/[^ ]+" "$log" | awk '{print $2}' \
+  # node ids hold spaces (parametrize ids): everything after the outcome, less the trailing blank
+  sed -nE 's/.*(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests\/.*[^ ]) *$/\2/p' "$log" \
     | sort >"$OUT/finished.txt"
   comm -23 "$OUT/collected.txt" "$OUT/finished.txt" | tee "$OUT/unfinished.txt" | head -60
 fi

@@ -6,7 +6,7 @@
 # them with tools/gpu_distributed.sh. Logs: $OUT/<part>/suite-part.txt.
 set -u
 OUT=${OUT:-/tmp/fusetune-suite-x4}
-export DEADLINE_S=${DEADLINE_S:-530}
+export DEADLINE_S=${DEADLINE_S:-530} PARTS=3
 bash tools/install_carried.sh .bnb .ds .trl .peers
 files=$(ls tests/test_*.py | grep -v test_gated_delta_rule.py)
 part_a=$(echo "$files" | awk 'NR % 2 == 1')
