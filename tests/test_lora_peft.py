@@ -292,6 +292,31 @@ def test_qkv_results_are_handed_out_only_for_the_same_input():
     integration.unpatch(model)
 
 
+class PostBackwardFunctionModule(torch.autograd.Function):
+    """An identity as DeepSpeed ZeRO-3's forward pre-hook applies to every module's inputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_qkv_input_recognised_through_zero3_hooks_only():
+    """k_proj gets q_proj's results for the input ZeRO-3's hooks re-wrap per module, and not
+    for a detached copy (whose gradient must stop) nor an equal tensor elsewhere."""
+    x = torch.randn(2, 24, device=DEVICE, requires_grad=True) * 1.0
+    wrapped_q, wrapped_k = PostBackwardFunctionModule.apply(x), PostBackwardFunctionModule.apply(x)
+    assert integration._same_input(wrapped_q, wrapped_k)
+    assert integration._same_input(x, x)
+    assert not integration._same_input(x, x.detach())
+    assert not integration._same_input(wrapped_q, PostBackwardFunctionModule.apply(x.clone()))
+    unrelated = torch.randn(2, 24, device=DEVICE, requires_grad=True) * 1.0
+    assert not integration._same_input(wrapped_q, PostBackwardFunctionModule.apply(unrelated))
+
+
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -61,8 +61,9 @@ _NO_VARIANTS: dict = {}  # PEFT versions without lora_variant
 # Reasons that are modes PEFT handles on its own path, not a limitation: no warning.
 _QUIET_REASONS = ("adapters disabled", "adapter merged into the base weight")
 _PARTITIONED = (
-    "its layers' weights are partitioned by DeepSpeed ZeRO-3, which gathers each only inside "
-    "its own layer's call: the layers run fusetune's lora_linear one by one"
+    "its layers' weights are partitioned by DeepSpeed ZeRO-3 and the call is not inside a "
+    "DeepSpeed engine's forward (where ZeRO gathers a neighbour's weights for the group): the "
+    "layers run fusetune's lora_linear one by one"
 )
 
 
@@ -358,7 +359,7 @@ def _group_route(layers, extra_arguments) -> tuple[str | None, tuple[Projection,
     """(why the group stays on PEFT's path or None, the layers' projections)."""
     if extra_arguments:
         return "extra forward arguments", ()
-    if _zero3_partitioned(layers):
+    if _zero3_partitioned(layers) and not _zero3_gather(layers):
         return _PARTITIONED, ()
     projections = []
     for layer in layers:
@@ -376,6 +377,24 @@ def _zero3_partitioned(layers) -> bool:
         if hasattr(_base_layer(layer)._parameters.get("weight"), "ds_id"):
             return True
     return False
+
+
+def _zero3_gather(layers) -> bool:
+    """Gathers the ZeRO-3-partitioned parameters of ``layers`` for the group's one call; False
+    where some stay partitioned. Inside a DeepSpeed engine's forward, reading a parameter
+    through its module's ``_parameters[name]`` (DeepSpeed's ZeROOrderedDict) gathers it and
+    registers it as an external parameter of the module whose forward runs (the MLP, or
+    q_proj for the q/k/v group): from then on ZeRO gathers it for that module's forward and
+    backward, frees it after each, and reduces its gradient as for any parameter."""
+    available = True
+    for layer in layers:
+        for module in layer.modules():
+            parameters = module._parameters
+            for name in list(parameters):
+                param = parameters[name]  # the subscript is DeepSpeed's gathering read
+                status = getattr(param, "ds_status", None)
+                available = available and (status is None or status.name == "AVAILABLE")
+    return available
 
 
 def _mlp_forward(mlp, patch: _Patch, x, *args, **kwargs):
@@ -407,7 +426,7 @@ class _QKVGroup:
         patch = getattr(layer, _PATCH)
         if index > 0:
             pending, self.pending = self.pending, None
-            if pending is not None and pending[0] is x and not args and not kwargs:
+            if pending is not None and _same_input(pending[0], x) and not args and not kwargs:
                 result = pending[index]
                 if index == 1:
                     self.pending = [x, None, pending[2]]
@@ -428,6 +447,28 @@ class _QKVGroup:
         q, k, v = lora_qkv_validated(x, list(projections))
         self.pending = [x, k, v]
         return q
+
+
+def _same_input(seen: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``x`` is the input q_proj saw: the same tensor, or the same one as DeepSpeed
+    ZeRO-3 hands it on. ZeRO-3 passes each module's inputs through an identity autograd
+    Function (its post-backward hook), so q_proj and k_proj get two tensors of one storage
+    whose graphs meet right above those hook nodes."""
+    if seen is x:
+        return True
+    same_view = (
+        seen.data_ptr() == x.data_ptr()
+        and seen.shape == x.shape
+        and seen.stride() == x.stride()
+        and seen.dtype == x.dtype
+    )
+    return same_view and _below_zero3_hooks(seen.grad_fn) is _below_zero3_hooks(x.grad_fn)
+
+
+def _below_zero3_hooks(node):
+    while node is not None and type(node).__name__ == "PostBackwardFunctionModuleBackward":
+        node = node.next_functions[0][0]
+    return node
 
 
 # ----------------------------------------------------------------------------- apply / unpatch
