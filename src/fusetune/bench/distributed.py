@@ -11,7 +11,8 @@ for the whole process) and ZeRO-3 runs get one each. Where the machine has sever
 tiny configs over gloo (ZeRO-3 through DeepSpeed's CPU accelerator), Liger skipped (the
 plumbing's smoke run). ZeRO-3 rows need deepspeed installed (not a dependency).
 
-Rows: tokens/s per GPU and peak GiB per GPU (the largest rank's ``max_memory_allocated``), the
+Rows: tokens/s per GPU and peak GiB per GPU (the largest rank's ``max_memory_allocated`` while
+training, counted from after the engine sharded the model), the
 step's min / median / max ms, fusetune's fused-loss calls against the steps run (warm-up
 included), the scaling efficiency. Written to ``e2e-distributed.json`` / ``.txt``.
 """

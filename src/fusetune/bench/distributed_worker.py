@@ -188,12 +188,12 @@ def time_steps(step, ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[f
 
 
 def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """One variant's steps; peak memory above what was allocated before its model (zero when
-    the previous variant of the launch was freed)."""
-    base = 0
-    if device.type == "cuda":
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    """One variant's steps; peak memory while training, above what was allocated before its
+    model (zero when the previous variant of the launch was freed). The peak counts from after
+    the engine sharded the model: every rank builds it whole in fp32 first (for an 8B model
+    30 GiB, more than a sharded LoRA step needs at 4 GPUs), as a real run loading weights
+    straight into shards does not."""
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = build(job, device)
     vocab = model.config.vocab_size
     calls = count_fused_calls()
@@ -204,6 +204,9 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
                           replicate_adapters="-shard-lora" in job["variant"])  # fmt: skip
         if job["variant"].endswith("-compiled"):
             compile_each_layer(model, device)
+    gc.collect()  # what sharding released, before the training peak starts counting
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     generator = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, vocab, (job["batch"], job["seq_len"]), generator=generator)
     times, fallbacks = time_steps(step, ids.to(device), job["warmup"], job["steps"])
