@@ -81,6 +81,15 @@ def counting_fused_calls():
             setattr(owner, name, function)
 
 
+def leave() -> None:
+    """Ends a spawned rank: a barrier first, so that no rank tears its gloo pairs down while
+    another still works (rank 0 saving the results). Without it, a ZeRO-3 rank under load
+    aborted twice in about 20 runs ("terminate called without an active exception", SIGABRT);
+    with it, 9 of 9 passed under the same load."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def call_counts(counts) -> dict:
     return {"calls": counts[LOSS_OP], "lora_calls": {name: counts[name] for name in LORA_OPS}}
 
@@ -107,7 +116,7 @@ def worker(rank: int, layout: str, reshard: bool, init_file: str, results: str) 
     params = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"losses": losses, "params": params, "calls": counts[LOSS_OP]}, results)
-    dist.destroy_process_group()
+    leave()
 
 
 @pytest.mark.skipif(
@@ -241,7 +250,7 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
             runs[case]["fusetune"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     if rank == 0:
         torch.save(runs, results)
-    dist.destroy_process_group()
+    leave()
 
 
 @pytest.mark.skipif(
@@ -357,7 +366,7 @@ def variant_worker(rank: int, init_file: str, results: str) -> None:
             runs[case] = {"fusetune": counted_run(model, rank, device, True)}
     if rank == 0:
         torch.save(runs, results)
-    dist.destroy_process_group()
+    leave()
 
 
 TWO_RANKS = pytest.mark.skipif(
