@@ -6,7 +6,8 @@
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-suite}
 mkdir -p "$OUT"
-bash tools/install_carried.sh .bnb .ds .trl .peers >"$OUT/pip.txt" 2>&1
+scratch=$(mktemp -d)  # lists and pip's output: $OUT keeps one file (the device returns few)
+bash tools/install_carried.sh .bnb .ds .trl .peers >"$scratch/pip.txt" 2>&1
 export PYTHONPATH=${SRC:-src}:tests:/tmp/site PYTHONUNBUFFERED=1  # SRC: another source tree
 # CPU threads per worker: the float64 references run on the CPU, and torch's default (every
 # core in each of 12+ workers, PARTS parts side by side) oversubscribed the 64-core 4-GPU host
@@ -25,11 +26,14 @@ if kill -0 "$pid" 2>/dev/null; then
   kill -9 -- -"$pid" 2>/dev/null
   echo "=== deadline: killed at $SECONDS s; collected but without a result:" | tee -a "$log"
   timeout 60 python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null \
-    | grep "::" | sort >"$OUT/collected.txt"
+    | grep "::" | sort >"$scratch/collected.txt"
   # node ids hold spaces (parametrize ids): everything after the outcome, less the trailing blank
   sed -nE 's/.*(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests\/.*[^ ]) *$/\2/p' "$log" \
-    | sort >"$OUT/finished.txt"
-  comm -23 "$OUT/collected.txt" "$OUT/finished.txt" | tee "$OUT/unfinished.txt" | head -60
+    | sort >"$scratch/finished.txt"
+  comm -23 "$scratch/collected.txt" "$scratch/finished.txt" >"$scratch/unfinished.txt"
+  cat "$scratch/unfinished.txt" >>"$log"
+  head -100 "$scratch/unfinished.txt"
+  echo "($(wc -l <"$scratch/unfinished.txt") without a result, listed at the end of $log)"
 fi
 grep -oE "^\[gw[0-9]+\] \[ *[0-9]+%\] [A-Z]+" "$log" | awk '{print $NF}' | sort | uniq -c
 grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$log" | head -40
