@@ -292,6 +292,24 @@ def test_qkv_results_are_handed_out_only_for_the_same_input():
     integration.unpatch(model)
 
 
+def test_qkv_other_input_compiles_in_one_graph():
+    """k_proj on another input than q_proj's, compiled whole: the input check stays traceable
+    (no data_ptr under Dynamo) and k_proj computes its own result."""
+    model = with_lora(Attention(), FP32, FP32, ["q_proj", "k_proj", "v_proj"])
+    x, other = torch.randn(2, 24, device=DEVICE), torch.randn(2, 24, device=DEVICE)
+    want = model.k_proj(other)
+    integration.apply(model)
+
+    def q_then_k(x, other):
+        model.q_proj(x)
+        return model.k_proj(other)
+
+    backend = "inductor" if DEVICE.type == "cuda" else "aot_eager"
+    got = torch.compile(q_then_k, fullgraph=True, backend=backend)(x, other)
+    assert_close("k", got, want, 1e-5)
+    integration.unpatch(model)
+
+
 class PostBackwardFunctionModule(torch.autograd.Function):
     """An identity as DeepSpeed ZeRO-3's forward pre-hook applies to every module's inputs."""
 

@@ -456,6 +456,8 @@ def _same_input(seen: torch.Tensor, x: torch.Tensor) -> bool:
     whose graphs meet right above those hook nodes."""
     if seen is x:
         return True
+    if torch.compiler.is_compiling():  # ZeRO's hooks run in eager forwards; Dynamo has no data_ptr
+        return False
     same_view = (
         seen.data_ptr() == x.data_ptr()
         and seen.shape == x.shape
