@@ -7,6 +7,7 @@
 #   (b) FSDP2 full fine-tuning of the first 8 layers (--layers 8; the fp32 state of all 32,
 #       128 GB, fits no single GPU to scale from): HF, + fusetune;
 #   (c) ZeRO-3 LoRA: HF + PEFT, + fusetune;   (d) ZeRO-3 full, 8 layers: HF, + fusetune.
+# Steps by name, in the order given: bash tools/gpu_scaling.sh zero3-lora fsdp2-lora
 # Tables (tok/s/GPU, peak GiB/GPU, step min/med/max, fused calls against steps, scaling
 # against 1 GPU): $OUT/<step>/e2e-distributed.txt, written as rows finish.
 set -uo pipefail
@@ -28,8 +29,14 @@ step() {  # step NAME ARGS...: one `bench e2e --nproc` under the time left
   timeout "$left" python3 -m fusetune bench e2e --nproc "$sizes" --shapes llama-3.1-8b \
     --steps 5 --warmup 2 --timeout 170 --out "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name.log"
 }
-step fsdp2-lora --engine fsdp2 --lora --variants hf,liger,fusetune
-step fsdp2-full --engine fsdp2 --full --layers 8 --variants hf,fusetune
-step zero3-lora --engine zero3 --lora --variants hf,fusetune
-step zero3-full --engine zero3 --full --layers 8 --variants hf,fusetune
+declare -A ARGS=(
+  [fsdp2-lora]="--engine fsdp2 --lora --variants hf,liger,fusetune"
+  [fsdp2-full]="--engine fsdp2 --full --layers 8 --variants hf,fusetune"
+  [zero3-lora]="--engine zero3 --lora --variants hf,fusetune"
+  [zero3-full]="--engine zero3 --full --layers 8 --variants hf,fusetune"
+)
+for name in "${@:-fsdp2-lora fsdp2-full zero3-lora zero3-full}"; do
+  # shellcheck disable=SC2086
+  for one in $name; do step "$one" ${ARGS[$one]:?"unknown step $one (of ${!ARGS[*]})"}; done
+done
 echo "done in $SECONDS s"
