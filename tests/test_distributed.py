@@ -223,8 +223,9 @@ def zero3_run(model, rank: int, device, patch: bool) -> dict:
 
 # "untied": full fine-tuning, the head a parameter of its own; "lora-tied": PEFT LoRA on q/v
 # of a model whose head is its embedding (Llama-3.2-1B's and Qwen2.5-0.5B's layout);
-# "lora-all": LoRA on every linear layer (the fused groups read their layers' weights)
-ZERO3_CASES = ("untied", "lora-tied", "lora-all")
+# "lora-all": LoRA on every linear layer (the fused groups read their layers' weights);
+# "-checkpointed": with transformers' gradient checkpointing (the groups run again in backward)
+ZERO3_CASES = ("untied", "lora-tied", "lora-all", "lora-all-checkpointed")
 if not importlib.util.find_spec("peft"):
     ZERO3_CASES = ("untied",)
 
@@ -279,9 +280,9 @@ def check_zero3_case(case: str, want: dict, got: dict) -> None:
         assert_close(f"{case} param {name}", got["params"][name], param, 1e-5)
     layers, steps = variant_model(case).config.num_hidden_layers, STEPS
     assert got["warnings"] == [], got["warnings"]  # no fallback
-    if case == "lora-all":  # the groups read their neighbours' weights: ZeRO gathers them
-        per_step = {"lora_linear_validated": 1, "lora_qkv_validated": 1, "lora_mlp_validated": 1}
-        want_calls = {name: count * layers * steps for name, count in per_step.items()}
+    if case.startswith("lora-all"):  # the groups read their neighbours' weights via ZeRO
+        runs = 2 if case.endswith("-checkpointed") else 1  # + the recompute in the backward
+        want_calls = {name: runs * layers * steps for name in LORA_OPS}
         # o_proj alone runs lora_linear; k_proj and v_proj hand out the group's k and v (the
         # input ZeRO's hooks re-wrap for each module is recognised as q_proj's)
         assert got["lora_calls"] == want_calls, got["lora_calls"]
@@ -306,10 +307,12 @@ def variant_model(case: str):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(2)
-        targets = ["q_proj", "v_proj"] if case != "lora-all" else "all-linear"
+        targets = "all-linear" if case.startswith("lora-all") else ["q_proj", "v_proj"]
         config = LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                             init_lora_weights=False)  # fmt: skip
         model = get_peft_model(model, config)
+    if case.endswith("-checkpointed"):  # each layer's forward runs again inside the backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
