@@ -278,7 +278,8 @@ def check_zero3_case(case: str, want: dict, got: dict) -> None:
     assert_close(f"{case} losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]), 1e-5)
     for name, param in want["params"].items():
         assert_close(f"{case} param {name}", got["params"][name], param, 1e-5)
-    layers, steps = variant_model(case).config.num_hidden_layers, STEPS
+    initial_model = variant_model(case)  # the same seeded model the ranks started from
+    layers, steps = initial_model.config.num_hidden_layers, STEPS
     assert got["warnings"] == [], got["warnings"]  # no fallback
     if case.startswith("lora-all"):  # the groups read their neighbours' weights via ZeRO
         runs = 2 if case.endswith("-checkpointed") else 1  # + the recompute in the backward
@@ -287,7 +288,7 @@ def check_zero3_case(case: str, want: dict, got: dict) -> None:
         # input ZeRO's hooks re-wrap for each module is recognised as q_proj's)
         assert got["lora_calls"] == want_calls, got["lora_calls"]
     if case.startswith("lora"):
-        initial = dict(variant_model(case).named_parameters())
+        initial = dict(initial_model.named_parameters())
         for name, param in got["params"].items():
             moved = not torch.equal(param, initial[name].detach())
             assert moved == ("lora_" in name), name  # adapters trained, the base frozen
