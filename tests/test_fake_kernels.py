@@ -277,7 +277,7 @@ def dequantize_4bit():
                                     device=DEVICE),
               code, rand(1).abs(), torch.linspace(-1, 1, 256, device=DEVICE), rand(1), blocksize,
               256)  # fmt: skip
-    return [(*plain, shape, BF16), (*nested, shape, F32)]
+    return [(*plain, shape, BF16, 0), (*nested, shape, F32, 1)]
 
 
 def rms_norm_forward():

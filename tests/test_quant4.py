@@ -89,11 +89,17 @@ def test_lora_ops_on_a_4bit_base_equal_its_dense_twin(op, dtype, adapter, autoca
     the float64 reference. The Triton dequantisation ran (forward and backward)."""
     projections = [projection(o, i, dtype, adapter) for o, i in SHAPES[op]]
     x = torch.randn(3, 5, 64, device=DEVICE).to(dtype)
-    launches = []
-    launch = quant4_ops._launch
+    launches = []  # weights dequantised per launch
+    launch, launch_group = quant4_ops._launch, quant4_ops._launch_group
     monkeypatch.setattr(quant4_ops, "_launch", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(
+        quant4_ops, "_launch_group", lambda w, d: launches.append(len(w)) or launch_group(w, d)
+    )
     got, got_grads = step(op, x, projections, autocast)
-    assert len(launches) == (2 * len(projections) if uses_kernels(x) else 0), launches
+    # forward and backward each dequantise every weight; in the forward q/k/v and gate/up
+    # share a launch (the backward of the mlp reads down first)
+    grouped = {"linear": [1, 1], "qkv": [3, 1, 1, 1], "mlp": [2, 1, 1, 1, 1]}[op]
+    assert launches == (grouped if uses_kernels(x) else []), launches
     want, want_grads = step(op, x, dense_twin(projections), autocast)
     for g, w in zip([*got, *got_grads], [*want, *want_grads], strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
@@ -126,6 +132,33 @@ def test_no_dense_copy_of_the_4bit_weight_is_saved():
         fusetune.lora_linear(x, weight, a, b, scaling).sum().backward()
     assert ((96, 64), BF16) not in saved, saved
     assert any(dtype == torch.uint8 for _, dtype in saved), saved
+
+
+def test_compiled_backward_dequantises_again():
+    """Under torch.compile the backward's dequantisation stays its own call: the compiled
+    forward saves the packed codes for the backward, never a dense [out, in] weight (merged
+    with the forward's call, it kept a whole dense model alive: QLoRA's memory)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    saved = []
+
+    def forward_compiler(graph, inputs):
+        output = next(node for node in graph.graph.nodes if node.op == "output")
+        saved.extend((tuple(arg.meta["val"].shape), arg.meta["val"].dtype)
+                     for arg in output.args[0] if "val" in getattr(arg, "meta", {}))  # fmt: skip
+        return graph
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda graph, inputs: graph,
+                           partition_fn=min_cut_rematerialization_partition)  # fmt: skip
+    weight, a, b, scaling = projection(96, 64, FP32, FP32)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: fusetune.lora_linear(x, weight, a, b, scaling),
+                         backend=backend, fullgraph=True)  # fmt: skip
+    x = torch.randn(8, 64, device=DEVICE, requires_grad=True)
+    step(x).sum().backward()
+    assert saved and ((96, 64), FP32) not in saved, saved
+    assert x.grad is not None and a.grad is not None
 
 
 def test_4bit_errors_name_the_argument():
@@ -192,6 +225,26 @@ def test_partial_last_block_follows_the_blockwise_formula():
     want = _dequantize_4bit_compute(weight.data.reshape(-1), state.absmax, state.code, 128,
                                     state.shape, BF16)  # fmt: skip
     assert torch.equal(fusetune.dequantize_4bit(weight), want)
+
+
+@pytest.mark.parametrize("rows,width", [((64, 32, 32), 48), ((33, 7), 48), ((5, 1, 7), 3)],
+                         ids=str)  # fmt: skip
+def test_dense_many_equals_each_weight_dense(rows, width):
+    """Two or three 4-bit weights in one launch: each comes out as its own dequantisation, bit
+    for bit, as rows of one buffer (odd sizes end on half a byte; a weight may be a single
+    row). Weights of different layouts are dequantised one by one."""
+    weights = [quantize(torch.randn(r, width, device=DEVICE) / 8) for r in rows]
+    for dtype in (BF16, FP32):
+        for weight in weights:
+            weight.quant_state.dtype = dtype
+        got = quant4_ops.dense_many(weights, dtype)
+        for g, w in zip(got, weights, strict=True):
+            assert torch.equal(g, reference.dequantize_4bit(w, dtype)), (rows, dtype)
+    mixed = [weights[0], quantize(torch.randn(rows[1], width, device=DEVICE), blocksize=128)]
+    mixed[1].quant_state.dtype = mixed[0].quant_state.dtype
+    assert not quant4_ops._groupable(mixed)
+    for g, w in zip(quant4_ops.dense_many(mixed, FP32), mixed, strict=True):
+        assert torch.equal(g, reference.dequantize_4bit(w, FP32))
 
 
 @pytest.mark.parametrize("shape", [(3, 21), (5, 64), (1, 2049)])

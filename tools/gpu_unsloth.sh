@@ -5,8 +5,8 @@
 # wheels whose distribution is not installed already (unsloth's own, trl 1.15 and datasets 4.3
 # always). Steps, most important first, each under `timeout` and all within ~9 minutes:
 #   a) import unsloth, versions;  b) bench e2e Llama-3.2-1B b4: hf+peft, fusetune, unsloth;
-#   d) QLoRA 8B b2 with gradient checkpointing: fusetune, unsloth, fusetune with offloaded
-#   checkpointing (as Unsloth's mode);  c) QLoRA 1B b4: hf, fusetune, unsloth, fusetune compiled.
+#   c) QLoRA 1B b4: hf, fusetune, unsloth, fusetune compiled;  d) QLoRA 8B b2 with gradient
+#   checkpointing: fusetune, unsloth, fusetune with offloaded checkpointing (as Unsloth's mode).
 #   The first unsloth step of a shape saves its random weights under /tmp (cached).
 # Logs under $OUT.
 set -uo pipefail
@@ -50,14 +50,14 @@ qlora() { # shape batch variant limit [flags]
   timeout "$(cap "$limit")" python3 tools/bench_qlora.py --shape "$shape" --batch "$batch" \
     --variant "$variant" "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep -E "RESULT|LARGEST|Error|error" | tail -2
 }
-echo "== d) QLoRA 8B b2, gradient checkpointing" | tee -a "$OUT/qlora.log"
-qlora llama-8b 2 fusetune 150 --gradient-checkpointing
-qlora llama-8b 2 unsloth 180 --gradient-checkpointing
-# Unsloth's mode offloads the checkpointed inputs to the host: fusetune's offloaded mode beside it
-qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
 echo "== c) QLoRA 1B b4" | tee -a "$OUT/qlora.log"
 for variant in hf fusetune unsloth; do
   qlora llama-3.2-1b 4 "$variant" 70
 done
 qlora llama-3.2-1b 4 fusetune 120 --compile # Unsloth compiles its decoder layers too
+echo "== d) QLoRA 8B b2, gradient checkpointing" | tee -a "$OUT/qlora.log"
+qlora llama-8b 2 fusetune 150 --gradient-checkpointing
+qlora llama-8b 2 unsloth 180 --gradient-checkpointing
+# Unsloth's mode offloads the checkpointed inputs to the host: fusetune's offloaded mode beside it
+qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
 echo "done in $SECONDS s" | tee -a "$OUT/qlora.log"
