@@ -355,19 +355,11 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dense(weight: torch.Tensor, dtype: torch.dtype, backward: bool = False) -> torch.Tensor:
-    """``quant4.dense(weight, dtype)``: a dense weight already in dtype is itself."""
+    """``quant4.dense(weight, dtype)``: a dense weight already in dtype is itself.
+    ``backward``: called from a backward (see quant4.dense)."""
     if weight.dtype == dtype and not quant4.is_4bit(weight):
         return weight
     return quant4.dense(weight, dtype, backward=backward)
-
-
-def _dense_all(weights: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """:func:`_dense` of each weight, for a forward: a group of 4-bit ones dequantised in one
-    launch (the forward is host-bound; the backward, GPU-bound, dequantises one weight at a
-    time and frees each after its matmul: less memory at the step's peak)."""
-    if len(weights) > 1 and quant4.is_4bit(weights[0]):
-        return quant4.dense_many(weights, dtype)
-    return [_dense(weight, dtype) for weight in weights]
 
 
 def _add_mm(acc, a, b, alpha, inplace: bool):
@@ -402,9 +394,8 @@ def _scaled(t: torch.Tensor, scaling: float, like: torch.Tensor) -> torch.Tensor
     return _cast(t.float() * scaling, like.dtype)
 
 
-def _linear(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, dtype):
-    """x @ dense^T + bias (``dense``: the weight from :func:`_dense`, in ``dtype``)."""
-    return F.linear(x, dense, None if bias is None else _cast(bias, dtype))
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype):
+    return F.linear(x, _dense(weight, dtype), None if bias is None else _cast(bias, dtype))
 
 
 def _scaled_b(lora_b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
@@ -508,13 +499,11 @@ class _LoraProjectionsFunction(torch.autograd.Function):
             _scaled_b(group[3], s, dtype) for group, s in zip(groups, scalings, strict=True)
         ]
         outputs = []
-        denses = _dense_all([group[0] for group in groups], dtype)
-        for (_, bias, _, _), dense, xa, scaled_b in zip(
-            groups, denses, _thin_columns(xa_all, groups), scaled_bs, strict=True
+        for (weight, bias, _, _), xa, scaled_b in zip(
+            groups, _thin_columns(xa_all, groups), scaled_bs, strict=True
         ):
-            y = _linear(xc, dense, bias, dtype)
+            y = _linear(xc, weight, bias, dtype)
             outputs.append(_add_mm(y, xa, scaled_b.t(), 1, eager))
-        del denses  # (a 4-bit base's dense copies: not kept for the backward)
         ctx.save_for_backward(x, xa_all, stacked_a, *scaled_bs, *_without_bias(groups))
         ctx.dtype, ctx.scalings = dtype, scalings
         # Read in forward: torch 2.11's Dynamo traces a backward that reads needs_input_grad
@@ -570,13 +559,11 @@ class _LoraMLPFunction(torch.autograd.Function):
         a_gate_up, b_gate_c, b_up_c, a_down_c, b_down_c = adapters
         xa_gate_up = torch.mm(xc, a_gate_up.t())
         xa_gate, xa_up = _thin_columns(xa_gate_up, groups[:2])
-        dense_gate, dense_up = _dense_all([w_gate, w_up], dtype)
-        gate = _linear(xc, dense_gate, bias_gate, dtype)
-        up = _linear(xc, dense_up, bias_up, dtype)
-        del dense_gate, dense_up
+        gate = _linear(xc, w_gate, bias_gate, dtype)
+        up = _linear(xc, w_up, bias_up, dtype)
         h = glu(gate, up, xa_gate, xa_up, b_gate_c, b_up_c, s_gate, s_up, activation)
         xa_down = torch.mm(h, a_down_c.t())
-        y = _linear(h, _dense(w_down, dtype), bias_down, dtype)
+        y = _linear(h, w_down, bias_down, dtype)
         y = _add_mm(y, xa_down, b_down_c.t(), s_down, eager)
         ctx.save_for_backward(x, gate, up, xa_gate_up, xa_down, *adapters,
                               *_without_bias(groups))  # fmt: skip

@@ -22,20 +22,20 @@ from fusetune._triton import INTERPRET, tl, triton
 from fusetune.reference import quant4 as reference
 from fusetune.reference.quant4 import check_4bit, is_4bit, logical_dtype, logical_shape
 
-__all__ = ["dense", "dense_many", "dequantize_4bit", "is_4bit", "logical_dtype", "logical_shape"]
+__all__ = ["dense", "dequantize_4bit", "is_4bit", "logical_dtype", "logical_shape"]
 
 BLOCK = 2048  # output elements per program
 
 
 @triton.jit
-def _dequantize_block(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, outer_code_ptr,
-                      offset_ptr, out_ptr, n_elements, block_id, BLOCKSIZE: tl.constexpr,
-                      OUTER_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _dequantize_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, outer_code_ptr,
+                            offset_ptr, out_ptr, n_elements, BLOCKSIZE: tl.constexpr,
+                            OUTER_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                            BLOCK: tl.constexpr):
     # one byte holds two neighbouring elements (high nibble first) of the same quantisation
     # block (blocksizes are even): its scale is read once, and the contiguous byte load and the
     # interleaved store of both values vectorise
-    byte_index = block_id.to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    byte_index = tl.program_id(0).to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
     byte_mask = byte_index < (n_elements + 1) // 2
     byte = tl.load(packed_ptr + byte_index, mask=byte_mask, other=0).to(tl.int32)
     high = tl.load(code_ptr + (byte >> 4), mask=byte_mask, other=0.0).to(tl.float32)
@@ -49,43 +49,8 @@ def _dequantize_block(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, outer_
     else:
         scale = tl.load(absmax_ptr + block, mask=byte_mask, other=0.0).to(tl.float32)
     value = tl.interleave(high * scale, low * scale)
-    index = block_id.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=index < n_elements)
-
-
-@triton.jit
-def _dequantize_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, outer_code_ptr,
-                            offset_ptr, out_ptr, n_elements, BLOCKSIZE: tl.constexpr,
-                            OUTER_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    _dequantize_block(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, outer_code_ptr,
-                      offset_ptr, out_ptr, n_elements, tl.program_id(0), BLOCKSIZE,
-                      OUTER_BLOCKSIZE, NESTED, BLOCK)
-
-
-@triton.jit
-def _dequantize_4bit_group_kernel(
-    packed0, absmax0, code0, outer_absmax0, outer_code0, offset0, out0, n0,
-    packed1, absmax1, code1, outer_absmax1, outer_code1, offset1, out1, n1,
-    packed2, absmax2, code2, outer_absmax2, outer_code2, offset2, out2, n2,
-    programs0, programs01, BLOCKSIZE: tl.constexpr, OUTER_BLOCKSIZE: tl.constexpr,
-    NESTED: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Two or three weights in one launch (a layer's q/k/v, or gate and up): the programs of
-    weight 0, then 1, then 2, each as the single-weight kernel's."""
-    pid = tl.program_id(0)
-    if pid < programs0:
-        _dequantize_block(packed0, absmax0, code0, outer_absmax0, outer_code0, offset0, out0, n0,
-                          pid, BLOCKSIZE, OUTER_BLOCKSIZE, NESTED, BLOCK)
-    elif COUNT == 2:
-        _dequantize_block(packed1, absmax1, code1, outer_absmax1, outer_code1, offset1, out1, n1,
-                          pid - programs0, BLOCKSIZE, OUTER_BLOCKSIZE, NESTED, BLOCK)
-    elif pid < programs01:
-        _dequantize_block(packed1, absmax1, code1, outer_absmax1, outer_code1, offset1, out1, n1,
-                          pid - programs0, BLOCKSIZE, OUTER_BLOCKSIZE, NESTED, BLOCK)
-    else:
-        _dequantize_block(packed2, absmax2, code2, outer_absmax2, outer_code2, offset2, out2, n2,
-                          pid - programs01, BLOCKSIZE, OUTER_BLOCKSIZE, NESTED, BLOCK)
 
 
 def _state_tensors(weight: torch.Tensor):
@@ -119,56 +84,6 @@ def _launch(packed, absmax, code, outer_absmax, outer_code, offset, blocksize: i
         NESTED=nested, BLOCK=BLOCK,
     )
     return out.to(dtype)
-
-
-def _groupable(weights) -> bool:
-    """Two or three 4-bit weights one launch can dequantise into one buffer: same quantisation
-    layout (blocksize, nesting, outer blocksize), dtype, device and input width."""
-    if not 2 <= len(weights) <= 3 or not all(is_4bit(w) for w in weights):
-        return False
-    states = [w.quant_state for w in weights]
-    first = states[0]
-
-    def layout(state):
-        nested = bool(getattr(state, "nested", False))
-        outer = state.state2.blocksize if nested else None
-        return (state.blocksize, nested, outer, state.dtype, len(state.shape), state.shape[-1])
-
-    return all(layout(state) == layout(first) for state in states) and all(
-        w.device == weights[0].device for w in weights
-    )
-
-
-def _launch_group(weights, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each weight as :func:`dense` gives it (dequantised to the dtype it stands for, then
-    cast to ``dtype``): rows of one [sum out, in] buffer, one launch."""
-    states = [w.quant_state for w in weights]
-    rows = [state.shape[0] for state in states]
-    width, own_dtype = states[0].shape[1], states[0].dtype
-    store_dtype = torch.float32 if INTERPRET and own_dtype != torch.float64 else own_dtype
-    out = _utils.empty((sum(rows), width), store_dtype, weights[0].device)
-    parts = out.split(rows)
-    slots, programs = [], []
-    for weight, part in zip(weights, parts, strict=True):
-        packed, absmax, code, outer_absmax, outer_code, offset = _state_tensors(weight)
-        nested = outer_absmax is not None
-        n_elements = part.numel()
-        slots += [packed, absmax, code, outer_absmax if nested else absmax,
-                  outer_code if nested else absmax, offset if nested else absmax, part,
-                  n_elements]  # fmt: skip
-        programs.append(triton.cdiv(n_elements, BLOCK))
-    if len(weights) == 2:  # slot 2 unused: valid pointers, no program reaches it
-        slots += [*slots[8:15], 0]
-    nested = bool(getattr(states[0], "nested", False))
-    grid = (sum(programs),)
-    _dequantize_4bit_group_kernel[grid](
-        *slots, programs[0], programs[0] + programs[1], BLOCKSIZE=states[0].blocksize,
-        OUTER_BLOCKSIZE=states[0].state2.blocksize if nested else 1, NESTED=nested,
-        COUNT=len(weights), BLOCK=BLOCK,
-    )
-    if store_dtype != dtype:  # (the interpreter's fp32 store: rounded as _launch rounds)
-        return list(out.to(own_dtype).to(dtype).split(rows))
-    return list(parts)
 
 
 def _fake(packed, absmax, code, outer_absmax, outer_code, offset, blocksize, outer_blocksize,
@@ -238,18 +153,3 @@ def dense(weight: torch.Tensor, dtype: torch.dtype, *, backward: bool = False) -
     if is_4bit(weight):
         return _dequantize(weight, weight.quant_state.dtype, backward).to(dtype)
     return weight.to(dtype)
-
-
-def dense_many(
-    weights: list[torch.Tensor], dtype: torch.dtype, *, backward: bool = False
-) -> list[torch.Tensor]:
-    """:func:`dense` of each weight. Two or three 4-bit weights of one layout (a layer's q, k
-    and v, or gate and up) take one kernel launch in eager mode, into one buffer whose rows
-    they are: a launch is host time in a host-bound forward."""
-    if (
-        _groupable(weights)
-        and _utils.backend(weights[0].quant_state.code) != "reference"
-        and _utils.plain_eager(*(w.quant_state.absmax for w in weights))
-    ):
-        return _launch_group(weights, dtype)
-    return [dense(weight, dtype, backward=backward) for weight in weights]
