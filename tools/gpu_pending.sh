@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# What the stop of 2026-11-26 (fifth) left GPU-untested, in one call on 2 GPUs (carry .bnb .ds
-# .trl .peers, ~4 minutes), logs under $OUT (few files: the device returns ~8 per call):
-#   the ZeRO-3 LoRA groups (test_distributed's and grpo's ZeRO-3 cases under NCCL), and the
-#   q/k/v input check (test_lora_peft.py).
-# `bash tools/gpu_pending.sh measure` (1 GPU, carry .peers, ~4 minutes): Qwen3.5-small's e2e row
-#   with Liger (issue 19), Liger's wheel alone (FLA on the path makes transformers pick it, and
-#   FLA 0.6.0 refuses Triton 3.6 on Hopper).
+# What the stop of 2026-11-26 (sixth) left unmeasured, logs under $OUT (few files: the device
+# returns ~8 per call):
+#   bash tools/gpu_pending.sh          2 GPUs, carry .ds .peers (~6 minutes): ZeRO-3 LoRA at 1
+#     and 2 GPUs with the fused q/k/v and MLP groups (issue 16's last scaling cell; on x4 the
+#     same script adds 4 GPUs).
+#   bash tools/gpu_pending.sh qlora    1 GPU, carry .unsloth .bnb (~8 minutes): the QLoRA 1B step
+#     with Unsloth in one run, fusetune compiled included (its peak after the dequantisation
+#     call tag: 9.37 GiB in a separate call; issue 22 wants the same run). Unsloth saves the
+#     shape's random weights on its first run (over 70 s on a cold machine).
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-pending}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ "${1:-}" = measure ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site-liger .peers/liger_kernel-*.whl
-  PYTHONPATH=src:/tmp/site-liger timeout 300 python3 -m fusetune bench e2e --shapes qwen3.5-small \
-    --variants hf+peft,hf+peft+liger,hf+peft+fusetune --steps 10 --max-batch off --timeout 140 \
-    --out "$OUT/qwen3.5-small" 2>&1 | tee "$OUT/qwen3.5-small.log" | tail -8
+if [ "${1:-}" = qlora ]; then
+  # shellcheck source=tools/unsloth_env.sh
+  source tools/unsloth_env.sh
+  for run in "hf 90" "fusetune 90" "unsloth 200" "fusetune 150 --compile"; do
+    # shellcheck disable=SC2086
+    set -- $run
+    variant=$1 limit=$2
+    shift 2
+    echo "== llama-3.2-1b b4 $variant $*" >>"$OUT/qlora.log"
+    timeout "$limit" python3 tools/bench_qlora.py --shape llama-3.2-1b --batch 4 \
+      --variant "$variant" --steps 12 "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep RESULT
+  done
   echo "done in $SECONDS s"
   exit 0
 fi
-OUT="$OUT/zero3" WORKERS=0 DEADLINE_S=300 bash tools/gpu_suite_part.sh \
-  tests/test_distributed.py tests/test_grpo_distributed.py -k zero3 2>&1 | tail -12
-OUT="$OUT/peft" DEADLINE_S=120 bash tools/gpu_suite_part.sh tests/test_lora_peft.py 2>&1 | tail -6
+OUT="$OUT/scaling" BUDGET_S=560 bash tools/gpu_scaling.sh zero3-lora 2>&1 | tail -12
 echo "done in $SECONDS s"
