@@ -7,8 +7,8 @@ Usage (CUDA):
 Profiles one step (after warm-up) with CPU and CUDA activities, then walks the GPU's kernels in
 time order: every gap of at least ``--gap-us`` between one kernel's end and the next kernel's
 start is time the GPU sat idle. Each gap is charged to the step's phase (forward, backward,
-optimizer: record_function markers) and to the host op that launched the kernel after it (the
-innermost ATen / autograd op around its cudaLaunchKernel). Prints the step's wall time, GPU busy
+optimizer: ``cases_e2e.make_step``'s marks) and to the host op that launched the kernel after
+it (the innermost ATen / autograd op around its launch). Prints the step's wall time, GPU busy
 time, idle time per phase and the top host ops by idle time charged. A step whose idle time is
 large is host-bound there: fewer launches or less Python per launch in those ops is the lever.
 """
@@ -28,28 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fusetune.bench.cases_e2e import SHAPES, build  # noqa: E402
-
-PHASES = ("forward", "backward", "optimizer")
-
-
-def marked_step(model: torch.nn.Module, input_ids: torch.Tensor):
-    """``cases_e2e.make_step``'s step, its phases marked for the profiler."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
-    model.train()
-    mark = torch.profiler.record_function
-
-    def step() -> None:
-        with mark("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        with mark("backward"):
-            loss.backward()
-        with mark("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
+from fusetune.bench.cases_e2e import SHAPES, STEP_PHASES, build, make_step  # noqa: E402
 
 
 def load_trace(path: str) -> list[dict]:
@@ -72,7 +51,7 @@ def analyse(events: list[dict], gap_us: float, top: int) -> str:
     for e in events:
         if e.get("ph") != "X":
             continue
-        if e.get("cat") == "user_annotation" and e["name"] in PHASES:
+        if e.get("cat") == "user_annotation" and e["name"] in STEP_PHASES:
             phases.append(e)
         elif e.get("cat") == "cpu_op":
             ops_by_tid[e["tid"]].append(e)
@@ -142,7 +121,7 @@ def main() -> None:
     model = build(shape, args.variant, device, tiny=False)
     batch = args.batch or shape.batch
     ids = torch.randint(0, model.config.vocab_size, (batch, 2048), device=device)
-    step = marked_step(model, ids)
+    step = make_step(model, ids, mark_phases=True)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
@@ -154,7 +133,7 @@ def main() -> None:
     with torch.profiler.profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
-    path = args.trace or tempfile.mktemp(suffix=".json")
+    path = args.trace or str(Path(tempfile.mkdtemp()) / "step.json")
     prof.export_chrome_trace(path)
     print(f"{shape.name} b{batch} {args.variant}: unprofiled step {wall:.1f} ms")
     print(analyse(load_trace(path), args.gap_us, args.top))

@@ -300,20 +300,32 @@ def _targets(shape: Shape) -> list[str] | str:
     return shape.targets if isinstance(shape.targets, str) else list(shape.targets)
 
 
-def make_step(model: torch.nn.Module, input_ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One training step on ``input_ids`` (labels = inputs); returns the loss, unsynced."""
+STEP_PHASES = ("forward", "backward", "optimizer")
+
+
+def make_step(
+    model: torch.nn.Module, input_ids: torch.Tensor, mark_phases: bool = False
+) -> Callable[[], torch.Tensor]:
+    """One training step on ``input_ids`` (labels = inputs); returns the loss, unsynced.
+    ``mark_phases``: each phase a profiler range named as in ``STEP_PHASES`` (tools/gpu_idle.py
+    charges the GPU's idle time to them; off, the step is the bench's, unmarked)."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = input_ids.device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused)
     autocast = input_ids.device.type == "cuda"
     model.train()
+    phase = torch.profiler.record_function if mark_phases else lambda name: contextlib.nullcontext()
+    forward, backward, optimizer_step = STEP_PHASES
 
     def step() -> torch.Tensor:
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        amp = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast)
+        with phase(forward), amp:
             loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase(backward):
+            loss.backward()
+        with phase(optimizer_step):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     return step

@@ -354,7 +354,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _dense(weight: torch.Tensor, dtype: torch.dtype, backward: bool = False) -> torch.Tensor:
+def _dense(weight: torch.Tensor, dtype: torch.dtype, *, backward: bool = False) -> torch.Tensor:
     """``quant4.dense(weight, dtype)``: a dense weight already in dtype is itself.
     ``backward``: called from a backward (see quant4.dense)."""
     if weight.dtype == dtype and not quant4.is_4bit(weight):
@@ -528,9 +528,9 @@ class _LoraProjectionsFunction(torch.autograd.Function):
             [grp[2] for grp in groups], [grp[3] for grp in groups], needs_a, needs_b, need_x,
         )
         if need_x:
-            grad_x = torch.mm(dys[0], _dense(groups[0][0], dtype, True))
+            grad_x = torch.mm(dys[0], _dense(groups[0][0], dtype, backward=True))
             for dy, (weight, *_) in zip(dys[1:], groups[1:], strict=True):
-                grad_x = _add_mm(grad_x, dy, _dense(weight, dtype, True), 1, eager)
+                grad_x = _add_mm(grad_x, dy, _dense(weight, dtype, backward=True), 1, eager)
             grad_x = _add_mm(grad_x, g, stacked_a, 1, eager)
             grad_x = _cast(grad_x, x.dtype)
         per_projection = [
@@ -608,8 +608,10 @@ class _LoraMLPFunction(torch.autograd.Function):
                 (needs_a_gate, needs_a_up), (False, False), need_x,
             )
             if need_x:
-                grad_x = torch.mm(grad_gate, _dense(gate_group[0], dtype, True))
-                grad_x = _add_mm(grad_x, grad_up, _dense(up_group[0], dtype, True), 1, eager)
+                # (one dense 4-bit weight alive at a time: each freed after its matmul)
+                grad_x = torch.mm(grad_gate, _dense(gate_group[0], dtype, backward=True))
+                grad_x = _add_mm(grad_x, grad_up, _dense(up_group[0], dtype, backward=True), 1,
+                                 eager)  # fmt: skip
                 grad_x = _add_mm(grad_x, g, adapters[0], 1, eager)
                 grad_x = _cast(grad_x, x.dtype)
         return (grad_x, None, None, None, None, None, grad_a_gate, grad_b_gate, None, None,
@@ -624,7 +626,8 @@ def _mlp_activation_backward(ctx, w_down, adapters, dy, gate, up, xas):
     s_gate, s_up, s_down = ctx.scalings
     xa_gate, xa_up = xas
     g_down = torch.mm(dy, b_down)
-    grad_h = torch.mm(dy, _dense(w_down, ctx.dtype, True))  # without its LoRA term (the kernel's)
+    # without its LoRA term: the kernel adds it
+    grad_h = torch.mm(dy, _dense(w_down, ctx.dtype, backward=True))
     args = (grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate,
             s_up, ctx.activation)
     if not _utils.plain_eager(dy, gate, up):
