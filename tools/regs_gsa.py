@@ -1,7 +1,7 @@
 """Registers and spills of the chunked GSA kernels on sm_90, compiled on the CPU (no GPU).
 
     PYTHONPATH=src python tools/regs_gsa.py [bf16|fp16|fp32] [varlen] [flags] [warps=N]
-        [dims=K,V,M]
+        [dims=K,V,M] [recurrent]
 
 Compiles every kernel of ``fusetune.ops.linear_attention.gsa_chunk`` at the benchmark's constants
 (K = V = M = 64) with the library's warps, then prints ptxas's register count and spill bytes
@@ -11,7 +11,8 @@ sizes (BK, BV, BM) in place of 64; FUSETUNE_GSA_DOT picks the products' precisio
 the library. A proxy for
 occupancy: 255 registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide.
 With ``flags`` every optional path is compiled (initial and final states, final-state gradients,
-the exact pass of bwd_b): a compile check of code the benchmark never runs.
+the exact pass of bwd_b): a compile check of code the benchmark never runs. ``recurrent``
+compiles the recurrent mode's three kernels instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusetune.ops.linear_attention import gsa_chunk as chunk
+from fusetune.ops.linear_attention import gsa_recurrent as recurrent
 
 # Pointer arguments that are fp32 buffers (everything else is an input-dtype tensor).
 FP32_POINTERS = {
@@ -130,7 +132,10 @@ def main() -> None:
         if arg.startswith("dims="):
             sizes = [max(16, triton.next_power_of_2(int(x))) for x in arg[5:].split(",")]
             SIZES.update(BK=sizes[0], BV=sizes[1], BM=sizes[2])
-    for name, fn in chunk.KERNELS.items():
+    kernels = chunk.KERNELS
+    if "recurrent" in sys.argv[2:]:
+        kernels = {n: getattr(recurrent, f"{n}_kernel") for n in ("fwd", "bwd_a", "bwd_b")}
+    for name, fn in kernels.items():
         n_warps = warps[0] if warps else chunk.NUM_WARPS.get(name, 4)
         print(report(name, fn, dtype, flags, n_warps), flush=True)
 

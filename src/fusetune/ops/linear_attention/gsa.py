@@ -16,8 +16,6 @@ p, da and r = a*da + p*dp kept in fp32) and sweep B (backward in time: dk, dv, d
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from fusetune import _utils
@@ -35,10 +33,6 @@ from fusetune.reference.gsa import MODES, Shapes, check_gsa_args
 from fusetune.reference.gsa import gated_slot_attention as reference_gated_slot_attention
 
 # ============================================================================ host launchers
-
-
-def _kernels(chunked: bool) -> types.ModuleType:
-    return gsa_chunk if chunked else gsa_recurrent
 
 
 def _geometry(q, k, v, s, cu_seqlens, scale: float, layout: str) -> Geometry:
@@ -66,11 +60,11 @@ def _state_shapes(geom: Geometry, heads: int) -> tuple[tuple[int, ...], tuple[in
 
 
 def _launch(kernel, geom: Geometry, pointers, strided, flags: dict) -> None:
-    """Launch ``kernel`` over (sequence, query head) programs."""
+    """Launch the recurrent ``kernel`` over (sequence, query head) programs."""
     programs = geom.n_seq * geom.q_heads
     if programs == 0:
         return
-    extra = _kernels(flags.pop("chunked")).constants(geom.seq_len, _utils.INTERPRET)
+    extra = gsa_recurrent.constants(geom.blocks)
     num_warps = extra.pop("num_warps")
     strides = [x for tensor, layout in strided for x in bthd_strides(tensor, layout)]
     kernel[(programs,)](
@@ -100,13 +94,12 @@ def _forward_impl(q, k, v, s, g, hk0, hv0, cu_seqlens, scale, layout, output_fin
     hk_shape, hv_shape = _state_shapes(geom, heads) if output_final_state else ((0,), (0,))
     hkT = _utils.empty(hk_shape, torch.float32, q.device)
     hvT = _utils.empty(hv_shape, torch.float32, q.device)
-    kernels = _kernels(chunked)
     _launch(
-        kernels.fwd_kernel, geom,
+        gsa_recurrent.fwd_kernel, geom,
         (q, k, v, s, g, o, o if hk0 is None else hk0, o if hv0 is None else hv0, hkT, hvT,
          o if cu is None else cu),
         [(q, layout), (k, layout), (v, layout), (s, layout), (g, layout), (o, layout)],
-        dict(HAS_H0=hk0 is not None, STORE_HT=output_final_state, chunked=chunked),
+        dict(HAS_H0=hk0 is not None, STORE_HT=output_final_state),
     )
     return o, hkT, hvT
 
@@ -133,15 +126,15 @@ def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
     )
     f_buf = _utils.empty((geom.n_seq, hq, geom.slots), torch.float32, device)
     dq = _utils.empty(q.shape, q.dtype, device)
-    kernels, dummy = _kernels(chunked), dq
+    dummy = dq
     _launch(
-        kernels.bwd_a_kernel, geom,
+        gsa_recurrent.bwd_a_kernel, geom,
         (q, k, v, s, g, do, dq, p_buf, da_buf, r_buf, f_buf,
          dummy if hk0 is None else hk0, dummy if hv0 is None else hv0,
          dhkT if has_dht else dummy, dhvT if has_dht else dummy, dummy if cu is None else cu),
         [(q, layout), (k, layout), (v, layout), (s, layout), (g, layout), (do, layout),
          (dq, layout), (p_buf, "BTHD")],
-        dict(HAS_H0=hk0 is not None, HAS_DHT=has_dht, chunked=chunked),
+        dict(HAS_H0=hk0 is not None, HAS_DHT=has_dht),
     )
     # With grouped queries each query head writes its own fp32 partial gradient; summed below.
     grads = [
@@ -151,13 +144,13 @@ def _backward_impl(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
     ]
     dhk0, dhv0 = (_utils.empty(shape, torch.float32, device) for shape in _state_shapes(geom, hq))
     _launch(
-        kernels.bwd_b_kernel, geom,
+        gsa_recurrent.bwd_b_kernel, geom,
         (q, k, v, s, g, do, p_buf, da_buf, r_buf, f_buf,
          dhkT if has_dht else dummy, dhvT if has_dht else dummy, *grads, dhk0, dhv0,
          dummy if cu is None else cu),
         [(q, layout), (k, layout), (v, layout), (s, layout), (g, layout), (do, layout),
          (p_buf, "BTHD"), *((x, layout) for x in grads)],
-        dict(HAS_DHT=has_dht, chunked=chunked),
+        dict(HAS_DHT=has_dht),
     )
     if group > 1:
         grads = [_sum_group(x, group, layout).to(ref.dtype) for x, ref in zip(grads, (k, v, s, g),

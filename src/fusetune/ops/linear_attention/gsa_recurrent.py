@@ -21,9 +21,18 @@ from fusetune.ops.linear_attention._common import (
     store_states,
 )
 
+# A program keeps both states in registers: from 16384 elements each (K*M, e.g. 256 x 64 or
+# 128 x 128) 4 warps spill (ptxas: 700-2900 B of stack per thread); and with K = V = 256, Triton
+# 3.6's LLVM aborts compiling the forward and sweep A at 4 warps (an SLPVectorizer assertion, at
+# M = 16, 32 and 64; fine at 8 warps, and at 4 on Triton 3.9).
+LARGE_STATE = 16384
 
-def constants(seq_len: int, interpreting: bool) -> dict:
-    return dict(num_warps=4, BT=1)  # BT: unused here, in the shared signature
+
+def constants(blocks: dict[str, int]) -> dict:
+    """Launch constants for the head sizes' blocks (BK, BV, BM)."""
+    wide = max(blocks["BK"], blocks["BV"]) * blocks["BM"] >= LARGE_STATE
+    wide = wide or min(blocks["BK"], blocks["BV"]) >= 256
+    return dict(num_warps=8 if wide else 4, BT=1)  # BT: in the shared signature
 
 
 @triton.jit
