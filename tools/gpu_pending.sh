@@ -1,31 +1,41 @@
 #!/usr/bin/env bash
-# What the stop of 2026-11-26 (sixth) left unmeasured, logs under $OUT (few files: the device
-# returns ~8 per call):
-#   bash tools/gpu_pending.sh          2 GPUs, carry .ds .peers (~6 minutes): ZeRO-3 LoRA at 1
-#     and 2 GPUs with the fused q/k/v and MLP groups (issue 16's last scaling cell; on x4 the
-#     same script adds 4 GPUs).
-#   bash tools/gpu_pending.sh qlora    1 GPU, carry .unsloth .bnb (~8 minutes): the QLoRA 1B step
-#     with Unsloth in one run, fusetune compiled included (its peak after the dequantisation
-#     call tag: 9.37 GiB in a separate call; issue 22 wants the same run). Unsloth saves the
-#     shape's random weights on its first run (over 70 s on a cold machine).
+# What the stop of 2026-11-26 (seventh) left unmeasured, logs under $OUT (few files: the device
+# returns ~8 per call). Run each as the first call on a fresh machine (a machine held for long
+# gets a jittery host, and this session's QLoRA 1B rows read 40 % slow on one):
+#   bash tools/gpu_pending.sh           1 GPU, carry .unsloth .bnb (~8 minutes): issue 22's
+#     rows. First the QLoRA 8B b2 step with fusetune's offloaded checkpointing (its memory
+#     target: Unsloth offloads and peaked 7.03 GiB, fusetune's in-GPU checkpoints 7.55; the
+#     offloaded row was cut by the budget twice), then the 1B b4 step for hf, fusetune, unsloth
+#     and fusetune compiled in one run.
+#   bash tools/gpu_pending.sh long      1 GPU, carry .peers (~9 minutes): issue 18 item 3, the
+#     longest sequence at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune
+#     with offloaded checkpoints), Llama-3.2-1B then the 8B shape.
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-pending}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ "${1:-}" = qlora ]; then
-  # shellcheck source=tools/unsloth_env.sh
-  source tools/unsloth_env.sh
-  for run in "hf 90" "fusetune 90" "unsloth 200" "fusetune 150 --compile"; do
-    # shellcheck disable=SC2086
-    set -- $run
-    variant=$1 limit=$2
-    shift 2
-    echo "== llama-3.2-1b b4 $variant $*" >>"$OUT/qlora.log"
-    timeout "$limit" python3 tools/bench_qlora.py --shape llama-3.2-1b --batch 4 \
-      --variant "$variant" --steps 12 "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep RESULT
+if [ "${1:-}" = long ]; then
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:tools:/tmp/site
+  for shape in llama-3.2-1b llama-8b; do
+    timeout 270 python3 tools/long_context.py --shapes "$shape" --timeout 120 2>&1 \
+      | tee -a "$OUT/long_context.log"
   done
   echo "done in $SECONDS s"
   exit 0
 fi
-OUT="$OUT/scaling" BUDGET_S=560 bash tools/gpu_scaling.sh zero3-lora 2>&1 | tail -12
+# shellcheck source=tools/unsloth_env.sh
+source tools/unsloth_env.sh
+qlora() { # shape batch variant limit [flags]
+  local shape=$1 batch=$2 variant=$3 limit=$4
+  shift 4
+  echo "== $shape b$batch $variant $*" >>"$OUT/qlora.log"
+  timeout "$limit" python3 tools/bench_qlora.py --shape "$shape" --batch "$batch" \
+    --variant "$variant" --steps 12 "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep RESULT
+}
+qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
+qlora llama-3.2-1b 4 hf 70
+qlora llama-3.2-1b 4 fusetune 70
+qlora llama-3.2-1b 4 unsloth 150
+qlora llama-3.2-1b 4 fusetune 120 --compile
 echo "done in $SECONDS s"
