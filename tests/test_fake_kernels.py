@@ -327,6 +327,12 @@ def lora_glu_backward():
     return cases
 
 
+def lora_add_mm_():
+    """acc [N, out] += alpha a [N, r] @ b [r, out], b a transposed view as the ops pass it."""
+    return [(rand(6, 10, dtype=BF16), rand(6, 4, dtype=BF16), rand(10, 4, dtype=BF16).t(), 1.0),
+            (rand(6, 10), rand(6, 4), rand(4, 10), 2.0)]  # fmt: skip
+
+
 def _gdr_args():
     """(q, k, v, g, beta, h0, cu_seqlens, scale): batch 2 or packed; HK 1, HV 2, K 8, V 4."""
 
@@ -429,6 +435,7 @@ CASES = {
         rms_norm_backward,
         lora_glu_forward,
         lora_glu_backward,
+        lora_add_mm_,
         gated_delta_rule_forward,
         gated_delta_rule_backward,
         gsa_forward,

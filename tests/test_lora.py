@@ -144,6 +144,35 @@ def test_mixed_precision_compiled(op, base, adapter, autocast, monkeypatch):
     run(op, base, adapter, autocast=autocast, mode="compile", monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("op", ["qkv", "mlp"])
+def test_inductor_adds_the_adapter_products_in_place(op):
+    """Under Inductor the LoRA products are added into the base matmul's output (and into dx's
+    partial sums) in place: the mutable fusetune::lora_add_mm_ with no addmm into a new buffer,
+    which copied its input first. Gradients as eager, bit for bit (the same matmuls, in order)."""
+    from torch._inductor.utils import run_and_get_code
+
+    op_fn, _, inputs, adapters, _ = make_case(op)
+    tensors = {name: t.to(DEVICE, BF16).requires_grad_(name in adapters or name == "x")
+               for name, t in inputs.items()}  # fmt: skip
+
+    def step(fn):
+        out = fn(**tensors)
+        sum(y.float().sum() for y in (out if isinstance(out, tuple) else (out,))).backward()
+        grads = [tensors[name].grad for name in ["x", *adapters]]
+        for name in ["x", *adapters]:
+            tensors[name].grad = None
+        return grads
+
+    want = step(op_fn)
+    torch._dynamo.reset()
+    got, code = run_and_get_code(step, torch.compile(op_fn, backend="inductor", fullgraph=True))
+    code = "\n".join(code)
+    assert code.count("fusetune.lora_add_mm_.default(") == (6 if op == "qkv" else 3), code
+    assert "extern_kernels.addmm" not in code, code
+    for name, g, w in zip(["x", *adapters], got, want, strict=True):
+        assert torch.equal(g, w), name
+
+
 @pytest.mark.parametrize("op", ["linear", "qkv", "mlp"])
 def test_noncontiguous_input(op, monkeypatch):
     run(op, BF16, FP32, layout="noncontiguous", monkeypatch=monkeypatch)

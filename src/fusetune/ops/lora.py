@@ -362,16 +362,23 @@ def _dense(weight: torch.Tensor, dtype: torch.dtype, *, backward: bool = False) 
     return quant4.dense(weight, dtype, backward=backward)
 
 
-def _add_mm(acc, a, b, alpha, inplace: bool):
-    """acc + alpha * a @ b: in place into acc (a fresh buffer of ours) in eager mode; out of
-    place when traced, which leaves buffer reuse to the compiler and keeps the traced graph
-    free of mutations (torch 2.11 compiled this op's gradients wrong; see NOTES.md). alpha 1 is
-    addmm's default and is not passed (a keyword costs a parse per call)."""
-    if alpha == 1:
-        return acc.addmm_(a, b) if inplace else torch.addmm(acc, a, b)
-    if inplace:
-        return acc.addmm_(a, b, alpha=alpha)
-    return torch.addmm(acc, a, b, alpha=alpha)
+def _add_mm(acc, a, b, alpha, eager: bool):
+    """acc += alpha * a @ b in place, acc returned (acc: a fresh buffer of ours, with no other
+    use). Eager: addmm_ itself (alpha 1 is its default and not passed: a keyword costs a parse
+    per call). Traced: the mutable op fusetune::lora_add_mm_, which Inductor runs in place on
+    acc's buffer. A functional addmm there became Inductor's addmm into a new buffer, and ATen's
+    addmm with an output other than its input first copies the input into it: a device-to-device
+    copy of every LoRA projection's output and of dx's partial sums."""
+    if not eager:
+        _add_mm_op(acc, a, b, alpha)
+        return acc
+    return acc.addmm_(a, b) if alpha == 1 else acc.addmm_(a, b, alpha=alpha)
+
+
+@_utils.register_op("lora_add_mm_(Tensor(a!) acc, Tensor a, Tensor b, float alpha) -> ()",
+                    fake=lambda acc, a, b, alpha: None)
+def _add_mm_op(acc, a, b, alpha):
+    acc.addmm_(a, b, alpha=alpha)
 
 
 def _grad_to(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
