@@ -8,7 +8,9 @@ settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
 The second argument is the products' mode (ieee | split3: FUSETUNE_GDR_DOT), the third the
 dtype of the inputs q, k, v, beta and dO (fp32 | bf16 | fp16; the 16-bit ones take 16-bit
 tensor-core products in split3 mode), or l2norm: bf16 with q, k in fp32, as the models call it
-(use_qk_l2norm_in_kernel normalises q, k in fp32 before the kernels).
+(use_qk_l2norm_in_kernel normalises q, k in fp32 before the kernels). A fourth argument
+``hints`` compiles as a launch at such shapes does: every pointer and integer argument marked
+divisible by 16 (Triton 3.6's LLVM aborted on GSA's recurrent kernels only with these hints).
 
 Takes minutes on a CPU (the IEEE-product kernels compile slowly). H100 limit: 232448 bytes.
 """
@@ -32,9 +34,11 @@ DOTS = gdr_chunk.DOT_MODES
 INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
 
 
-def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str) -> int:
-    signature, constexprs = {}, {}
-    for name in kernel.arg_names:
+def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False) -> int:
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if hints and name not in consts and name not in FLOATS:
+            attrs[(index,)] = [["tt.divisibility", 16]]
         if name in consts:
             signature[name], constexprs[name] = "constexpr", consts[name]
         elif name in FLOATS:
@@ -48,12 +52,14 @@ def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str) -> int:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=1)
     compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options
+        ASTSource(kernel, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=options,
     )
     return compiled.metadata.shared
 
 
-def main(dim: int, mode: str, dtype: str) -> None:
+def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     bt = gdr_chunk.chunk_size(False, dim)
     state_bv = 32 if dim <= 128 else 16  # gdr_recurrent.block_v
     bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
@@ -73,11 +79,11 @@ def main(dim: int, mode: str, dtype: str) -> None:
     for name, kernel, consts, warps in jobs:
         print(
             f"K=V={dim} chunk {bt} {mode} {dtype} {name}: "
-            f"{shared_bytes(kernel, consts, warps, dtype)} bytes",
+            f"{shared_bytes(kernel, consts, warps, dtype, hints)} bytes",
             flush=True,
         )
 
 
 if __name__ == "__main__":
     args = sys.argv[1:] + ["128", "ieee", "fp32"][len(sys.argv) - 1 :]
-    main(int(args[0]), args[1], args[2])
+    main(int(args[0]), args[1], args[2], "hints" in args[3:])

@@ -1,7 +1,7 @@
 """Registers and spills of the chunked GSA kernels on sm_90, compiled on the CPU (no GPU).
 
     PYTHONPATH=src python tools/regs_gsa.py [bf16|fp16|fp32] [varlen] [flags] [warps=N]
-        [dims=K,V,M] [recurrent]
+        [dims=K,V,M] [recurrent] [hints]
 
 Compiles every kernel of ``fusetune.ops.linear_attention.gsa_chunk`` at the benchmark's constants
 (K = V = M = 64) with the library's warps, then prints ptxas's register count and spill bytes
@@ -12,7 +12,9 @@ the library. A proxy for
 occupancy: 255 registers or any spill is a red flag; the GPU timings (tools/tune_gsa.py) decide.
 With ``flags`` every optional path is compiled (initial and final states, final-state gradients,
 the exact pass of bwd_b): a compile check of code the benchmark never runs. ``recurrent``
-compiles the recurrent mode's three kernels instead.
+compiles the recurrent mode's three kernels instead. ``hints`` marks every pointer and integer
+argument divisible by 16, as a launch at such shapes does (Triton 3.6's LLVM aborted compiling
+the recurrent forward at K = V = 256 only with these hints).
 """
 
 from __future__ import annotations
@@ -100,9 +102,14 @@ def signature(fn, dtype: str, flags: dict) -> tuple[dict, dict]:
     return sig, constexprs
 
 
-def report(name: str, fn, dtype: str, flags: dict, warps: int) -> str:
+def report(name: str, fn, dtype: str, flags: dict, warps: int, hints: bool = False) -> str:
     sig, constexprs = signature(fn, dtype, flags)
-    src = ASTSource(fn, sig, constexprs)
+    attrs = {}
+    if hints:
+        divisible = [["tt.divisibility", 16]]
+        skipped = ("constexpr", "fp32")
+        attrs = {(i,): divisible for i, t in enumerate(sig.values()) if t not in skipped}
+    src = ASTSource(fn, sig, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -132,12 +139,13 @@ def main() -> None:
         if arg.startswith("dims="):
             sizes = [max(16, triton.next_power_of_2(int(x))) for x in arg[5:].split(",")]
             SIZES.update(BK=sizes[0], BV=sizes[1], BM=sizes[2])
-    kernels = chunk.KERNELS
+    kernels, default_warps = chunk.KERNELS, chunk.NUM_WARPS
     if "recurrent" in sys.argv[2:]:
         kernels = {n: getattr(recurrent, f"{n}_kernel") for n in ("fwd", "bwd_a", "bwd_b")}
+        default_warps = dict.fromkeys(kernels, recurrent.constants(SIZES)["num_warps"])
     for name, fn in kernels.items():
-        n_warps = warps[0] if warps else chunk.NUM_WARPS.get(name, 4)
-        print(report(name, fn, dtype, flags, n_warps), flush=True)
+        n_warps = warps[0] if warps else default_warps.get(name, 4)
+        print(report(name, fn, dtype, flags, n_warps, "hints" in sys.argv[2:]), flush=True)
 
 
 if __name__ == "__main__":
