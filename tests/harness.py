@@ -248,6 +248,20 @@ def assert_raises(error: type[Exception], match: str, fn: Callable, *args, **kwa
             assert phrase in message, f"{phrase!r} not in error message: {message}"
 
 
+class KernelOutOfSharedMemory:
+    """Stands in for a Triton kernel (``kernel[grid](...)``) whose launch fails as one that
+    needs more shared memory than the GPU has: Triton's OutOfResources, 278528 bytes against
+    the H100's 232448."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from fusetune._triton import OutOfResources
+
+            raise OutOfResources(278528, 232448, "shared memory")
+
+        return launch
+
+
 def uses_kernels(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s ops run Triton (compiled or interpreted), not the reference."""
     return fusetune.backend(tensor) != "reference"

@@ -552,6 +552,29 @@ def test_bad_cu_seqlens_values():
     )
 
 
+@pytest.mark.parametrize(
+    "mode,kernel,backward",
+    [("recurrent", "fwd_kernel", False), ("chunk", "wy_kernel", False),
+     ("chunk", "bwd_chunk_kernel", True)],
+)  # fmt: skip
+def test_heads_too_large_for_the_gpu_named(mode, kernel, backward, monkeypatch):
+    """A kernel that needs more shared memory than the GPU has: a ValueError naming the op, the
+    mode and the head sizes, forward and backward."""
+    x = make_inputs(batch=1, seq_len=8, initial_state=False)
+    q, k, v, g, beta = (x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k", "v", "g",
+                                                                         "beta"))  # fmt: skip
+    monkeypatch.setattr(gdr_recurrent if mode == "recurrent" else gdr_chunk, kernel,
+                        harness.KernelOutOfSharedMemory())  # fmt: skip
+
+    def call():
+        o = fusetune.gated_delta_rule(q, k, v, g, beta, mode=mode)[0]
+        if backward:
+            o.sum().backward()
+
+    assert_raises(ValueError, f"gated_delta_rule(mode='{mode}') at K = {q.shape[-1]}, V = "
+                  f"{v.shape[-1]}|this GPU has 232448", call)  # fmt: skip
+
+
 def test_key_dim_limit():
     x = make_inputs(batch=1, seq_len=2, key_dim=300, value_dim=4, initial_state=False)
     args = [x[n].float().to(DEVICE) for n in ("q", "k", "v", "g", "beta")]

@@ -384,6 +384,31 @@ def test_fp16_issue_packed_gpu(algo, dim, lengths):
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize(
+    "mode,kernel,backward",
+    [("recurrent", "fwd_kernel", False), ("chunk", "states_kernel", False),
+     ("chunk", "bwd_b_kernel", True)],
+)  # fmt: skip
+def test_heads_too_large_for_the_gpu_named(mode, kernel, backward, monkeypatch):
+    """A kernel that needs more shared memory than the GPU has: a ValueError naming the op, the
+    mode and the head sizes (Triton's own error names neither), forward and backward."""
+    from fusetune.ops.linear_attention import gsa_chunk, gsa_recurrent
+
+    x = {n: t.float().to(DEVICE) for n, t in make_inputs(batch=1, seq_len=8).items()}
+    q, k, v, s, g = (x[n].requires_grad_() for n in "qkvsg")
+    module = gsa_recurrent if mode == "recurrent" else gsa_chunk
+    monkeypatch.setattr(module, kernel, harness.KernelOutOfSharedMemory())
+    heads = f"K = {q.shape[-1]}, V = {v.shape[-1]}, M = {s.shape[-1]}"
+
+    def call():
+        o = fusetune.gated_slot_attention(q, k, v, s, g, mode=mode)
+        if backward:
+            o.sum().backward()
+
+    assert_raises(ValueError, f"gated_slot_attention(mode='{mode}') at {heads}|278528 of "
+                  "shared memory and this GPU has 232448", call)  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", ["eager", "compile"])
 def test_bad_input(mode):
     call = fusetune.gated_slot_attention

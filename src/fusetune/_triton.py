@@ -11,10 +11,14 @@ from fusetune._env import interpreting
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     HAS_TRITON = False
+
+    class OutOfResources(Exception):  # type: ignore[no-redef]
+        """Never raised: no kernel launches without Triton."""
 
     class _Missing:
         """Stands in for ``triton`` and ``triton.language`` so kernel definitions still parse."""
@@ -33,7 +37,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
 
 INTERPRET = interpreting()
 
-__all__ = ["HAS_TRITON", "INTERPRET", "dot", "tanh", "tl", "triton"]
+__all__ = ["HAS_TRITON", "INTERPRET", "OutOfResources", "dot", "tanh", "tl", "triton"]
 
 
 @triton.jit

@@ -1,15 +1,18 @@
 """What the linear-attention kernels share (gated slot attention's and the gated delta rule's):
 sequence bounds of (packed) sequences, GSA's matmul precision modes, gate loads and state
-load/store helpers, and the host view of [B, T, H, ...] strides."""
+load/store helpers, the host view of [B, T, H, ...] strides, and the error for head sizes a GPU
+cannot hold."""
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from fusetune._triton import INTERPRET, dot, tl, triton
+from fusetune._triton import INTERPRET, OutOfResources, dot, tl, triton
 from fusetune._utils import next_power_of_2
 
 # ----------------------------------------------------------------------------- device helpers
@@ -191,3 +194,32 @@ def bthd_strides(tensor: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 def unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+# ----------------------------------------------------------------------------- resource errors
+
+_ADVICE = {
+    "chunk": "mode='recurrent' holds less on chip, or split the heads into smaller ones",
+    "recurrent": "split the heads into smaller ones",
+}
+
+
+def explain_out_of_resources(impl: Callable, op: str, heads: Callable[[tuple], str]) -> Callable:
+    """``impl`` (an op's forward or backward, its last argument ``chunked``) with Triton's
+    OutOfResources, raised when a kernel needs more shared memory than the GPU has, turned into
+    a ValueError that names the op, the mode and the head sizes (``heads(args)``): the block
+    sizes follow K, V (and M), so the sizes a GPU holds differ by GPU (H100: 227 KB a block,
+    A100: 163 KB, consumer parts ~100 KB)."""
+
+    @functools.wraps(impl)
+    def run(*args):
+        try:
+            return impl(*args)
+        except OutOfResources as error:
+            mode = "chunk" if args[-1] else "recurrent"
+            raise ValueError(
+                f"{op}(mode={mode!r}) at {heads(args)}: a kernel needs {error.required} of "
+                f"{error.name} and this GPU has {error.limit}; {_ADVICE[mode]}"
+            ) from error
+
+    return run

@@ -20,7 +20,12 @@ import torch
 
 from fusetune import _utils
 from fusetune.ops.linear_attention import gdr_chunk, gdr_recurrent
-from fusetune.ops.linear_attention._common import bth_strides, slot_count, unit_last_stride
+from fusetune.ops.linear_attention._common import (
+    bth_strides,
+    explain_out_of_resources,
+    slot_count,
+    unit_last_stride,
+)
 from fusetune.reference.gated_delta_rule import Shapes, check_gated_delta_args, l2norm
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference_gated_delta_rule
 
@@ -259,19 +264,23 @@ def _fake_backward(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_fina
     return (*grads, _fake_state(q, v, cu_seqlens))
 
 
+def _heads(q, k, v) -> str:
+    return f"K = {q.shape[-1]}, V = {v.shape[-1]}"
+
+
 _ARGS = "Tensor? h0, Tensor? cu_seqlens, float scale, bool output_final_state, bool chunked"
 
 _forward_op = _utils.register_op(
     f"gated_delta_rule_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {_ARGS}) "
     "-> (Tensor, Tensor)",
     fake=_fake_forward,
-)(_forward_impl)
+)(explain_out_of_resources(_forward_impl, "gated_delta_rule", lambda a: _heads(*a[:3])))
 
 _backward_op = _utils.register_op(
     "gated_delta_rule_backward(Tensor do, Tensor? dhT, Tensor q, Tensor k, Tensor v, Tensor g, "
     f"Tensor beta, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_fake_backward,
-)(_backward_impl)
+)(explain_out_of_resources(_backward_impl, "gated_delta_rule", lambda a: _heads(*a[2:5])))
 
 
 # ============================================================================ autograd

@@ -26,6 +26,7 @@ from fusetune.ops.linear_attention._common import (
     Geometry,
     bthd_strides,
     dot_mode,
+    explain_out_of_resources,
     slot_count,
     unit_last_stride,
 )
@@ -349,18 +350,22 @@ def _fake_backward(do, dhkT, dhvT, q, k, v, s, g, hk0, hv0, cu_seqlens, scale, l
     return (*grads, *_fake_states(q, k, v, s, cu_seqlens, layout))
 
 
+def _heads(q, k, v, s) -> str:
+    return f"K = {q.shape[-1]}, V = {v.shape[-1]}, M = {s.shape[-1]}"
+
+
 _forward_op = _utils.register_op(
     f"gsa_forward(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, {_ARGS}, "
     "bool output_final_state, bool chunked) -> (Tensor, Tensor, Tensor)",
     fake=_fake_forward,
-)(_forward_impl)
+)(explain_out_of_resources(_forward_impl, "gated_slot_attention", lambda a: _heads(*a[:4])))
 
 _backward_op = _utils.register_op(
     "gsa_backward(Tensor do, Tensor? dhkT, Tensor? dhvT, Tensor q, Tensor k, Tensor v, "
     f"Tensor s, Tensor g, {_ARGS}, bool output_final_state, bool chunked) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_fake_backward,
-)(_backward_impl)
+)(explain_out_of_resources(_backward_impl, "gated_slot_attention", lambda a: _heads(*a[3:7])))
 
 
 # ============================================================================ autograd
