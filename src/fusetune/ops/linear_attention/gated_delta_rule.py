@@ -361,7 +361,8 @@ def gated_delta_rule(
             flags; cu_seqlens not integer.
         ValueError: inconsistent shapes (the message names them); HV not a multiple of HK;
             unknown mode; cu_seqlens with B != 1, not 1-D or (CPU) bad values; initial_state's
-            shape; K above 256 on the kernel path; tensors on different devices.
+            shape; K above 256 on the kernel path; tensors on different devices; head sizes
+            whose kernels need more shared memory than this GPU has (the message names them).
     """
     device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
     if torch.is_autocast_enabled(device_type):

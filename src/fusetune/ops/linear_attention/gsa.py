@@ -465,7 +465,8 @@ def gated_slot_attention(
             not a multiple of H; unknown layout or mode; cu_seqlens with B != 1, not 1-D, or (on
             the CPU) not starting at 0, decreasing, or not ending at T; initial_state shapes; a
             head dim above 256 on the kernel path; positive gates (CPU); tensors on different
-            devices.
+            devices; head sizes whose kernels need more shared memory than this GPU has (chunk
+            mode at K = V = M = 256 on an H100, for one: the message names the sizes).
     """
     _utils.check_choice("mode", mode, MODES)
     device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
