@@ -134,7 +134,7 @@ def _grad(logits, labels, lse, entropy, grad_logp, grad_entropy, options, ignore
     """Overwrite ``logits`` [rows, V] with the gradient; a None upstream gradient is skipped."""
     n_rows, vocab = logits.shape
     block = _block(vocab, logits.device)
-    _head_grad_kernel[(n_rows, triton.cdiv(vocab, block))](
+    _head_grad_kernel[(n_rows, _utils.cdiv(vocab, block))](
         logits, logits, labels, lse, entropy, lse if grad_logp is None else grad_logp,
         lse if grad_entropy is None else grad_entropy, logits.stride(0), logits.stride(0), vocab,
         ignore_index, LOGP_GRAD=grad_logp is not None, ENTROPY_GRAD=grad_entropy is not None,

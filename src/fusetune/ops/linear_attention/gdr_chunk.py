@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 
 from fusetune._triton import INTERPRET, tl, triton
+from fusetune._utils import next_power_of_2
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
 UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
@@ -83,7 +84,7 @@ def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
     products, 32 above and in split3 mode (its split operands and 16-bit tiles took 229376 of
     the 232448 bytes at K = V = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
     cap = BWD_BLOCK_V if key_dim <= 128 and dot == 2 else min(BWD_BLOCK_V, 32)
-    return max(min(max(16, triton.next_power_of_2(value_dim)), cap), min_block(dot))
+    return max(min(max(16, next_power_of_2(value_dim)), cap), min_block(dot))
 
 
 DOT_MODES = {"ieee": 2, "split3": 3}
