@@ -173,6 +173,23 @@ def test_inductor_adds_the_adapter_products_in_place(op):
         assert torch.equal(g, w), name
 
 
+@pytest.mark.parametrize("kernel", ["_lora_glu_forward_kernel", "_lora_glu_backward_kernel"])
+def test_mlp_ranks_too_large_for_the_gpu_named(kernel, monkeypatch):
+    """A GLU kernel needing more shared memory than the GPU has (rank 256 on an H100): a
+    ValueError naming the ranks, not Triton's OutOfResources."""
+    op_fn, _, inputs, adapters, _ = make_case("mlp")
+    tensors = {name: t.float().to(DEVICE).requires_grad_(name in adapters or name == "x")
+               for name, t in inputs.items()}  # fmt: skip
+    monkeypatch.setattr(lora_module, kernel, harness.KernelOutOfSharedMemory())
+    ranks = "(4, 8)" if kernel == "_lora_glu_forward_kernel" else "(5, 4, 8)"
+
+    def step():
+        op_fn(**tensors).sum().backward()
+
+    message = f"lora_mlp: LoRA ranks {ranks} need 278528 bytes of shared memory|this GPU has"
+    assert_raises(ValueError, message, step)
+
+
 @pytest.mark.parametrize("op", ["linear", "qkv", "mlp"])
 def test_noncontiguous_input(op, monkeypatch):
     run(op, BF16, FP32, layout="noncontiguous", monkeypatch=monkeypatch)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fusetune import _utils
-from fusetune._triton import INTERPRET, dot, tl, triton
+from fusetune._triton import INTERPRET, OutOfResources, dot, tl, triton
 from fusetune.ops import quant4
 from fusetune.ops.activation import ACTIVATIONS as GLU_ACTIVATIONS
 from fusetune.ops.activation import _activation
@@ -223,6 +223,21 @@ def _padded_rank(*ranks: int) -> int:
     return max(16, _utils.next_power_of_2(max(ranks)))
 
 
+def _launch_glu(kernel, grid, ranks: tuple[int, ...], *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``; a launch that needs more shared memory than the GPU
+    has raises a ValueError naming the LoRA ranks. The GLU kernels hold rank-wide tiles: the
+    backward needs 122880 bytes at ranks up to 64, 196608 up to 128 and 344064 up to 256
+    (Triton 3.6, sm_90), so ranks up to 128 fit an H100 (232448) and up to 64 an A100."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except OutOfResources as error:
+        raise ValueError(
+            f"lora_mlp: LoRA ranks {ranks} need {error.required} bytes of {error.name} in the "
+            f"fused MLP kernels and this GPU has {error.limit}; train with a smaller rank (up "
+            "to 128 on an H100, 64 on an A100)"
+        ) from error
+
+
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -238,7 +253,8 @@ def _glu_forward(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up, activatio
     )
     bm, bn = FORWARD_BM, FORWARD_BN
     grid = (_utils.cdiv(n_rows, bm) * _utils.cdiv(n_cols, bn),)
-    _lora_glu_forward_kernel[grid](
+    _launch_glu(
+        _lora_glu_forward_kernel, grid, (xa_gate.shape[1], xa_up.shape[1]),
         gate, up, xa_gate, xa_up, b_gate, b_up, out, s_gate, s_up, n_rows, n_cols,
         xa_gate.shape[1], xa_up.shape[1], gate.stride(0), up.stride(0), xa_gate.stride(0),
         xa_up.stride(0), b_gate.stride(0), b_up.stride(0), out.stride(0),
@@ -275,7 +291,8 @@ def _glu_backward(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_ga
         _unit_columns, (grad_h, g_down, a_down, xa_gate, xa_up, b_gate, b_up)
     )
     grid = (_utils.cdiv(n_cols, BACKWARD_BN), splits)
-    _lora_glu_backward_kernel[grid](
+    _launch_glu(
+        _lora_glu_backward_kernel, grid, ranks,
         grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up,
         grad_gate, grad_up, *parts, n_rows, n_cols, rows_per_split, *ranks,
         grad_h.stride(0), g_down.stride(0), a_down.stride(0), gate.stride(0), up.stride(0),
