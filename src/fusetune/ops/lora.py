@@ -353,30 +353,12 @@ def _glu_backward_op(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b
 
 # Host time: a step is host-bound on the GPU (Llama-3.2-1B LoRA under FSDP2: issuing it takes as
 # long as running it), so these helpers skip calls that do nothing: a cast to the dtype a tensor
-# has (Tensor.to returns the tensor itself, after microseconds of argument parsing), the default
-# alpha of addmm, the slice or split of a single projection's columns (all of them).
+# has (_utils.cast; quant4.dense of a weight already dense in that dtype), the default alpha of
+# addmm, the slice or split of a single projection's columns (all of them).
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``: t itself when it has that dtype; else the dtype's own method (the same
-    call inside, without parsing to()'s arguments: about 1 us less a cast)."""
-    if t.dtype == dtype:
-        return t
-    if dtype == torch.bfloat16:
-        return t.bfloat16()
-    if dtype == torch.float32:
-        return t.float()
-    if dtype == torch.float16:
-        return t.half()
-    return t.to(dtype)
-
-
-def _dense(weight: torch.Tensor, dtype: torch.dtype, *, backward: bool = False) -> torch.Tensor:
-    """``quant4.dense(weight, dtype)``: a dense weight already in dtype is itself.
-    ``backward``: called from a backward (see quant4.dense)."""
-    if weight.dtype == dtype and not quant4.is_4bit(weight):
-        return weight
-    return quant4.dense(weight, dtype, backward=backward)
+_cast = _utils.cast
+_dense = quant4.dense
 
 
 def _add_mm(acc, a, b, alpha, eager: bool):

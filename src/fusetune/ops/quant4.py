@@ -83,7 +83,7 @@ def _launch(packed, absmax, code, outer_absmax, outer_code, offset, blocksize: i
         n_elements, BLOCKSIZE=blocksize, OUTER_BLOCKSIZE=outer_blocksize if nested else 1,
         NESTED=nested, BLOCK=BLOCK,
     )
-    return out if out.dtype == dtype else out.to(dtype)
+    return _utils.cast(out, dtype)
 
 
 def _fake(packed, absmax, code, outer_absmax, outer_code, offset, blocksize, outer_blocksize,
@@ -151,6 +151,5 @@ def dense(weight: torch.Tensor, dtype: torch.dtype, *, backward: bool = False) -
     a 4-bit weight dequantised to the dtype it stands for, then cast. ``backward``: called from
     a backward (a traced backward's dequantisation is kept apart from the forward's)."""
     if is_4bit(weight):
-        out = _dequantize(weight, weight.quant_state.dtype, backward)
-        return out if out.dtype == dtype else out.to(dtype)
-    return weight if weight.dtype == dtype else weight.to(dtype)
+        return _utils.cast(_dequantize(weight, weight.quant_state.dtype, backward), dtype)
+    return _utils.cast(weight, dtype)
