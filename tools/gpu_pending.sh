@@ -6,7 +6,8 @@
 #     rows. First the QLoRA 8B b2 step with fusetune's offloaded checkpointing (its memory
 #     target: Unsloth offloads and peaked 7.03 GiB, fusetune's in-GPU checkpoints 7.55; the
 #     offloaded row was cut by the budget twice), then the 1B b4 step for hf, fusetune, unsloth
-#     and fusetune compiled in one run.
+#     and fusetune compiled in one run (NO_COMPILE=1: not the compiled row). First of all the
+#     host cost of a Triton launch and its parts (tools/bench_launch.py, ~30 s).
 #   bash tools/gpu_pending.sh long      1 GPU, carry .peers (~9 minutes): issue 18 item 3, the
 #     longest sequence at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune
 #     with offloaded checkpoints), Llama-3.2-1B then the 8B shape.
@@ -39,6 +40,7 @@ if [ "${1:-}" = compiled ]; then
 fi
 # shellcheck source=tools/unsloth_env.sh
 source tools/unsloth_env.sh
+PYTHONPATH=$PYTHONPATH:tests timeout 90 python3 tools/bench_launch.py 2>&1 | tee "$OUT/launch.log"
 qlora() { # shape batch variant limit [flags]
   local shape=$1 batch=$2 variant=$3 limit=$4
   shift 4
@@ -50,5 +52,5 @@ qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
 qlora llama-3.2-1b 4 hf 70
 qlora llama-3.2-1b 4 fusetune 70
 qlora llama-3.2-1b 4 unsloth 150
-qlora llama-3.2-1b 4 fusetune 120 --compile
+[ -n "${NO_COMPILE:-}" ] || qlora llama-3.2-1b 4 fusetune 120 --compile
 echo "done in $SECONDS s"
