@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from fusetune import _utils
-from fusetune._triton import jit, tanh, tl, triton
+from fusetune._triton import tanh, tl, triton
 from fusetune.reference import activation as reference
 
 SILU, GELU, GELU_TANH = 0, 1, 2
@@ -66,7 +66,7 @@ def _tile(tiles_per_row, n_cols, BLOCK: tl.constexpr):
     return row, cols, cols < n_cols
 
 
-@jit
+@triton.jit
 def _glu_forward_kernel(
     gate_ptr, up_ptr, out_ptr, n_cols, tiles_per_row, gate_stride, up_stride, out_stride,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
@@ -79,7 +79,7 @@ def _glu_forward_kernel(
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@triton.jit
 def _glu_backward_kernel(
     grad_out_ptr, gate_ptr, up_ptr, out_ptr, grad_gate_ptr, grad_up_ptr, n_cols, tiles_per_row,
     grad_out_stride, gate_stride, up_stride, out_stride, grad_gate_stride, grad_up_stride,

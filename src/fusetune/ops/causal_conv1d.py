@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from fusetune import _utils
-from fusetune._triton import jit, tl, triton
+from fusetune._triton import tl, triton
 from fusetune.reference.causal_conv1d import causal_conv1d as reference_causal_conv1d
 from fusetune.reference.causal_conv1d import check_causal_conv1d_args
 
@@ -49,7 +49,7 @@ def _pre(x_ptr, w_ptr, b_ptr, t, c, t_mask, c_mask, sxc, sxt, swc, swj,
     return acc
 
 
-@jit
+@triton.jit
 def _forward_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, T, C, sxb, sxc, sxt, sob, soc, sot, swc, swj,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
@@ -68,7 +68,7 @@ def _forward_kernel(
     tl.store(out_ptr + offsets, pre.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@triton.jit
 def _backward_kernel(
     x_ptr, w_ptr, b_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, T, C, sxb, sxc, sxt,
     sdb, sdc, sdt, sgb, sgc, sgt, swc, swj,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fusetune import _utils
-from fusetune._triton import jit, tanh, tl, triton
+from fusetune._triton import tanh, tl, triton
 from fusetune.reference.cross_entropy import check_cross_entropy_args, check_labels_in_range
 from fusetune.reference.cross_entropy import cross_entropy as reference_cross_entropy
 
@@ -213,7 +213,7 @@ def _row_offset(row, rows_per_batch, stride_batch, stride_row):
     return batch * stride_batch + (row - batch * rows_per_batch) * stride_row
 
 
-@jit
+@triton.jit
 def _ce_row_kernel(
     logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, grad_weight_ptr, rows_per_batch,
     logits_stride_b, logits_stride_t, grad_stride_b, grad_stride_t, vocab, ignore_index,
@@ -276,7 +276,7 @@ def _ce_row_kernel(
                 )
 
 
-@jit
+@triton.jit
 def _ce_partial_kernel(
     logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, rows_per_batch, logits_stride_b,
     logits_stride_t, vocab, chunk, num_chunks, ignore_index, logit_scale, logit_softcap,
@@ -300,7 +300,7 @@ def _ce_partial_kernel(
         tl.store(partial_sum_ptr + slot, sum_z)
 
 
-@jit
+@triton.jit
 def _ce_merge_kernel(
     logits_ptr, labels_ptr, partial_lse_ptr, partial_sum_ptr, loss_ptr, lse_ptr, rows_per_batch,
     logits_stride_b, logits_stride_t, vocab, num_chunks, ignore_index, label_smoothing, z_loss,
@@ -334,7 +334,7 @@ def _ce_merge_kernel(
         tl.store(lse_ptr + row, logsumexp)
 
 
-@jit
+@triton.jit
 def _ce_grad_kernel(
     logits_ptr, labels_ptr, lse_ptr, grad_weight_ptr, grad_ptr, rows_per_batch, logits_stride_b,
     logits_stride_t, grad_stride_b, grad_stride_t, grad_weight_stride, vocab, chunk, ignore_index,
@@ -365,7 +365,7 @@ def _ce_grad_kernel(
         )
 
 
-@jit
+@triton.jit
 def _scale_rows_kernel(
     grad_ptr, factor_ptr, rows_per_batch, stride_b, stride_t, vocab, chunk, BLOCK: tl.constexpr
 ):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from fusetune import _utils
-from fusetune._triton import jit, tl
+from fusetune._triton import tl, triton
 from fusetune.ops import cross_entropy as ce
 from fusetune.ops.linear_cross_entropy import (
     _FP32_FLAGS,
@@ -42,7 +42,7 @@ INTERPRETER_BLOCK = 256
 # ============================================================================ kernels
 
 
-@jit
+@triton.jit
 def _head_stats_kernel(
     logits_ptr, labels_ptr, lse_ptr, entropy_ptr, top1_ptr, stride_row, vocab, ignore_index,
     logit_scale, logit_softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -79,7 +79,7 @@ def _head_stats_kernel(
         tl.store(top1_ptr + row, (hit & (label != ignore_index)).to(tl.int8))
 
 
-@jit
+@triton.jit
 def _head_grad_kernel(
     logits_ptr, grad_ptr, labels_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
     stride_row, grad_stride_row, vocab, ignore_index, logit_scale, logit_softcap,

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fusetune import _utils
-from fusetune._triton import INTERPRET, OutOfResources, dot, jit, tl, triton
+from fusetune._triton import INTERPRET, OutOfResources, dot, tl, triton
 from fusetune.ops import quant4
 from fusetune.ops.activation import ACTIVATIONS as GLU_ACTIVATIONS
 from fusetune.ops.activation import _activation
@@ -102,7 +102,7 @@ def _tile(ptr, stride, rows, cols, mask):
     return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
-@jit
+@triton.jit
 def _lora_glu_forward_kernel(
     gate_ptr, up_ptr, xa_gate_ptr, xa_up_ptr, b_gate_ptr, b_up_ptr, out_ptr, s_gate, s_up,
     n_rows, n_cols, rank_gate, rank_up, gate_stride, up_stride, xa_gate_stride, xa_up_stride,
@@ -134,7 +134,7 @@ def _lora_glu_forward_kernel(
     tl.store(out_ptr + out_offsets, (value * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@triton.jit
 def _lora_glu_backward_kernel(
     grad_h_ptr, g_down_ptr, a_down_ptr, s_down,
     gate_ptr, up_ptr, xa_gate_ptr, xa_up_ptr, b_gate_ptr, b_up_ptr, s_gate, s_up,

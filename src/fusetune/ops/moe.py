@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from fusetune import _utils
-from fusetune._triton import INTERPRET, dot, jit, tl, triton
+from fusetune._triton import INTERPRET, dot, tl, triton
 from fusetune.reference import moe as reference
 from fusetune.reference.moe import Layout, MoeLora
 
@@ -128,7 +128,7 @@ def _join_pairs(even, odd, BM: tl.constexpr, BN: tl.constexpr):
     return tl.reshape(tl.join(even, odd), (BM, 2 * BN))
 
 
-@jit
+@triton.jit
 def _grouped_mm_kernel(
     a_ptr, a_rows_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, scale_ptr, out_ptr, out_rows_ptr,
     tiles_ptr, scaling, n_out, k_in, rank,
@@ -170,7 +170,7 @@ def _grouped_mm_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-@jit
+@triton.jit
 def _glu_forward_kernel(
     x_ptr, tokens_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, gu_ptr, h_ptr, tiles_ptr,
     scaling, alpha, limit, inter, hidden, rank, col_step, up_offset,
@@ -247,7 +247,7 @@ def _glu_forward_kernel(
     tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@triton.jit
 def _glu_backward_kernel(
     dout_ptr, tokens_ptr, w_ptr, gd_ptr, la_ptr, gu_ptr, scale_ptr, dgu_ptr, h_ptr, part_ptr,
     tiles_ptr, scaling, alpha, limit, inter, hidden, rank, col_step, up_offset, n_rows,
@@ -313,7 +313,7 @@ def _glu_backward_kernel(
     tl.store(part_ptr + pid_n.to(tl.int64) * n_rows + rows, partial, mask=row_mask)
 
 
-@jit
+@triton.jit
 def _expert_outer_kernel(
     x_ptr, x_rows_ptr, scale_ptr, y_ptr, y_rows_ptr, out_ptr, offsets_ptr, scaling,
     dim_i, dim_j, x_stride, y_stride, o_se, o_si, o_sj,

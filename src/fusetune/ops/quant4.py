@@ -18,7 +18,7 @@ import math
 import torch
 
 from fusetune import _utils
-from fusetune._triton import INTERPRET, jit, tl
+from fusetune._triton import INTERPRET, tl, triton
 from fusetune.reference import quant4 as reference
 from fusetune.reference.quant4 import check_4bit, is_4bit, logical_dtype, logical_shape
 
@@ -27,7 +27,7 @@ __all__ = ["dense", "dequantize_4bit", "is_4bit", "logical_dtype", "logical_shap
 BLOCK = 2048  # output elements per program
 
 
-@jit
+@triton.jit
 def _dequantize_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, outer_absmax_ptr, outer_code_ptr,
                             offset_ptr, out_ptr, n_elements, BLOCKSIZE: tl.constexpr,
                             OUTER_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fusetune import _utils
-from fusetune._triton import jit, tl, triton
+from fusetune._triton import tl, triton
 from fusetune.reference.rms_norm import add_rms_norm as reference_add_rms_norm
 from fusetune.reference.rms_norm import check_gate, check_rms_norm_args, resolve_offset
 from fusetune.reference.rms_norm import rms_norm as reference_rms_norm
@@ -44,7 +44,7 @@ def _round_to(value, dtype: tl.constexpr):
     return value.to(dtype).to(tl.float32)
 
 
-@jit
+@triton.jit
 def _scale(
     weight_ptr, weight_stride, cols, col_mask, offset, x_dtype: tl.constexpr,
     CASTING: tl.constexpr,
@@ -57,7 +57,7 @@ def _scale(
     return scale
 
 
-@jit
+@triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, residual_ptr, gate_ptr, weight_ptr, out_ptr, new_residual_ptr, rstd_ptr, n_rows,
     n_cols, x_stride, residual_stride, gate_stride, out_stride, new_residual_stride,
@@ -97,7 +97,7 @@ def _rms_norm_forward_kernel(
     tl.store(out_ptr + rows64 * out_stride + cols[None, :], y.to(out_dtype), mask=mask)
 
 
-@jit
+@triton.jit
 def _rms_norm_backward_kernel(
     grad_out_ptr, grad_residual_ptr, x_ptr, gate_ptr, weight_ptr, rstd_ptr, grad_x_ptr,
     grad_gate_ptr, partial_ptr, n_rows, n_cols, grad_out_stride, grad_residual_stride, x_stride,

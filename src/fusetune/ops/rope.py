@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fusetune import _utils
-from fusetune._triton import jit, tl, triton
+from fusetune._triton import tl, triton
 from fusetune.reference.rope import check_rope_args
 from fusetune.reference.rope import rope as reference_rope
 
@@ -64,7 +64,7 @@ def _rotate_heads(
                 tl.store(out_heads + cols[None, :], rest.to(out_dtype), mask=pass_mask)
 
 
-@jit
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, position_ids_ptr, seq_len,
     n_q_heads, n_k_heads, head_dim, rotary_dim, n_positions,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from fusetune._triton import INTERPRET, jit, tl, triton
+from fusetune._triton import INTERPRET, tl, triton
 from fusetune._utils import next_power_of_2
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
@@ -260,7 +260,7 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
     return result
 
 
-@jit
+@triton.jit
 def wy_kernel(
     k, g, beta, gc_buf, t_buf, cu,
     sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
@@ -296,7 +296,7 @@ def _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT: tl.constexpr, DOT: tl.con
     return Tinv, mm(Tinv * (bc * tl.exp(gc))[None, :], k_in, DOT)
 
 
-@jit
+@triton.jit
 def states_kernel(
     k, v, beta, gc_buf, t_buf, d_buf, h_buf, h0, hT, cu,
     sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h,
@@ -342,7 +342,7 @@ def states_kernel(
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
 
-@jit
+@triton.jit
 def output_kernel(
     q, k, gc_buf, d_buf, h_buf, o, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, so_b, so_t, so_h,
@@ -385,7 +385,7 @@ def output_kernel(
 # sum of O(1) terms: that loses the strongly decaying heads, where dg is O(exp(g))).
 
 
-@jit
+@triton.jit
 def dstates_kernel(
     q, k, beta, do, t_buf, gc_buf, dd_buf, dh_buf, dhT, dh0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
@@ -440,7 +440,7 @@ def dstates_kernel(
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
 
-@jit
+@triton.jit
 def bwd_chunk_kernel(
     q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
     dv, dbeta_buf, dg_buf, cu,

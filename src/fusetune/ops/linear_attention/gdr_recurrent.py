@@ -14,7 +14,7 @@ Internal fp32 buffers are contiguous, indexed by row r = (b * T + t) * HV + h.
 
 from __future__ import annotations
 
-from fusetune._triton import jit, tl, triton
+from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention._common import chunk_slot, sequence_bounds
 
 
@@ -44,7 +44,7 @@ def _program(cu, T, HV, GROUP: tl.constexpr, VARLEN: tl.constexpr):
     return i_v, i_n, i_h, i_h // GROUP, i_b, bos, eos
 
 
-@jit
+@triton.jit
 def fwd_kernel(
     q, k, v, g, beta, o, h0, hT, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
@@ -80,7 +80,7 @@ def fwd_kernel(
         tl.store(hT + state_at, S, mask=mkv)
 
 
-@jit
+@triton.jit
 def bwd_prep_kernel(
     q, k, v, g, beta, do, h0, e_buf, dq_buf, ckpt, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
@@ -121,7 +121,7 @@ def bwd_prep_kernel(
         tl.store(dq_buf + (row * NVB + i_v) * K + ck, dq_t, mask=mk)
 
 
-@jit
+@triton.jit
 def bwd_reverse_kernel(
     q, k, v, g, beta, do, dv, dhT, e_buf, ckpt, dk_buf, dbeta_buf, dg_buf, dh0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,

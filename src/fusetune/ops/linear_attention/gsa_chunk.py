@@ -27,7 +27,7 @@ for the math).
 
 from __future__ import annotations
 
-from fusetune._triton import jit, tl, triton
+from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention._common import (
     chunk_slot,
     gate_sums,
@@ -139,7 +139,7 @@ def _ref_row(gc, t, sc_t, cm, mm_, lo, hi):
 # ----------------------------------------------------------------------------- state passing
 
 
-@jit
+@triton.jit
 def states_kernel(
     k, v, s, g, gc, hk0, hv0, hk_buf, hv_buf, hkT, hvT, dhkT, dhvT, f_buf, cu,
     sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h, sc_b, sc_t, sc_h,
@@ -186,7 +186,7 @@ def states_kernel(
         tl.store(f_buf + pid * M + cm, final, mask=mm_)
 
 
-@jit
+@triton.jit
 def dstates_kernel(
     q, gc, do, p_buf, da_buf, dhkT, dhvT, dhk_buf, dhv_buf, dhk0, dhv0, cu,
     sq_b, sq_t, sq_h, sc_b, sc_t, sc_h, sdo_b, sdo_t, sdo_h, sw_b, sw_t, sw_h, scale, T, HQ,
@@ -311,7 +311,7 @@ def _row_block(i_cb, cu, i_n, T, S: tl.constexpr, BT: tl.constexpr, NT, VARLEN: 
     return i_b, c0, c_end, slot, bi, c0 + bi * BT
 
 
-@jit
+@triton.jit
 def fwd_kernel(
     q, k, v, s, gc, o, hk_buf, hv_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sc_b, sc_t, sc_h,
@@ -375,7 +375,7 @@ def fwd_kernel(
     _store(o, rows, so_t, mt, cv, mv, o_c)
 
 
-@jit
+@triton.jit
 def bwd_a_kernel(
     q, k, v, s, gc, do, dq, p_buf, da_buf, r_buf, hk_buf, hv_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sc_b, sc_t, sc_h,
@@ -451,7 +451,7 @@ def bwd_a_kernel(
     _store(r_buf + w_off, rows, sw_t, mt, cm, mm_, tl.where(mm_[None, :], a, 0.0) * da + p * dp)
 
 
-@jit
+@triton.jit
 def bwd_b_kernel(
     q, k, v, s, gc, do, p_buf, da_buf, r_buf, dhk_buf, dhv_buf, dk, dv, ds, dgl_buf, tot_buf,
     steep_buf, cu, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h,
@@ -566,7 +566,7 @@ def bwd_b_kernel(
         tl.store(steep_buf + state, n_steep, mask=c0 < eos)
 
 
-@jit
+@triton.jit
 def dg_kernel(
     dgl_buf, tot_buf, f_buf, dg, cu, sw_b, sw_t, sw_h, sdg_b, sdg_t, sdg_h, T, HQ,
     GROUP: tl.constexpr, M, NT, BM: tl.constexpr, S: tl.constexpr, HAS_DHT: tl.constexpr,

@@ -12,7 +12,7 @@ All three kernels share one argument order with the chunked ones (``gsa_chunk.py
 
 from __future__ import annotations
 
-from fusetune._triton import jit, tl, triton
+from fusetune._triton import tl, triton
 from fusetune.ops.linear_attention._common import (
     load_gate,
     load_hk,
@@ -35,7 +35,7 @@ def constants(blocks: dict[str, int]) -> dict:
     return dict(num_warps=8 if wide else 4, BT=1)  # BT: in the shared signature
 
 
-@jit
+@triton.jit
 def _token(q, k, v, s, t, sq_t, sk_t, sv_t, ss_t, ck, cv, cm, mk, mv, mm_, scale):
     """Token ``t``'s q (times scale), k, v and s as fp32, 0 outside the masks."""
     q_t = tl.load(q + t * sq_t + ck, mask=mk, other=0.0).to(tl.float32) * scale
@@ -57,7 +57,7 @@ def _step(hk, hv, q_t, k_t, v_t, s_t, decay, mm_):
     return hk, hv, a, p
 
 
-@jit
+@triton.jit
 def fwd_kernel(
     q, k, v, s, g, o, hk0, hv0, hkT, hvT, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
@@ -96,7 +96,7 @@ def fwd_kernel(
             store_states(hkT, hvT, state, hk, hv, ck, cv, cm, mk, mv, mm_, K, V, M)
 
 
-@jit
+@triton.jit
 def bwd_a_kernel(
     q, k, v, s, g, do, dq, p_buf, da_buf, r_buf, f_buf, hk0, hv0, dhkT, dhvT, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
@@ -150,7 +150,7 @@ def bwd_a_kernel(
     tl.store(f_buf + pid * M + cm, final, mask=mm_)
 
 
-@jit
+@triton.jit
 def bwd_b_kernel(
     q, k, v, s, g, do, p_buf, da_buf, r_buf, f_buf, dhkT, dhvT, dk, dv, ds, dg, dhk0, dhv0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, sg_b, sg_t, sg_h,
