@@ -8,9 +8,13 @@
 #     offloaded row was cut by the budget twice), then the 1B b4 step for hf, fusetune, unsloth
 #     and fusetune compiled in one run (NO_COMPILE=1: not the compiled row). First of all the
 #     host cost of a Triton launch and its parts (tools/bench_launch.py, ~30 s).
-#   bash tools/gpu_pending.sh long      1 GPU, carry .peers (~9 minutes): issue 18 item 3, the
-#     longest sequence at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune
-#     with offloaded checkpoints), Llama-3.2-1B then the 8B shape.
+#   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
+#     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
+#     fusetune in-GPU.
+#   bash tools/gpu_pending.sh long      1 GPU, carry .peers (~9 minutes): the in-place LoRA add's
+#     Inductor test, then issue 18 item 3, the longest sequence at batch 1 (tools/long_context.py;
+#     HF + PEFT, Liger, fusetune, fusetune with offloaded checkpoints), Llama-3.2-1B then the
+#     8B shape (SHAPES=..., VARIANTS=... to choose).
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it).
@@ -21,9 +25,13 @@ export PYTHONUNBUFFERED=1
 if [ "${1:-}" = long ]; then
   bash tools/install_carried.sh .peers >/dev/null 2>&1
   export PYTHONPATH=src:tools:/tmp/site
-  for shape in llama-3.2-1b llama-8b; do
-    timeout 270 python3 tools/long_context.py --shapes "$shape" --timeout 120 2>&1 \
-      | tee -a "$OUT/long_context.log"
+  export PYTHONPATH=$PYTHONPATH:tests
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k inductor 2>&1 \
+    | tail -3 | tee "$OUT/compiled.log"
+  for shape in ${SHAPES:-llama-3.2-1b llama-8b}; do
+    timeout 330 python3 tools/long_context.py --shapes "$shape" --timeout 100 \
+      --variants ${VARIANTS:-hf+peft hf+peft+liger hf+peft+fusetune hf+peft+fusetune+offload} \
+      2>&1 | tee -a "$OUT/long_context.log"
   done
   echo "done in $SECONDS s"
   exit 0
@@ -40,7 +48,6 @@ if [ "${1:-}" = compiled ]; then
 fi
 # shellcheck source=tools/unsloth_env.sh
 source tools/unsloth_env.sh
-PYTHONPATH=$PYTHONPATH:tests timeout 90 python3 tools/bench_launch.py 2>&1 | tee "$OUT/launch.log"
 qlora() { # shape batch variant limit [flags]
   local shape=$1 batch=$2 variant=$3 limit=$4
   shift 4
@@ -48,6 +55,14 @@ qlora() { # shape batch variant limit [flags]
   timeout "$limit" python3 tools/bench_qlora.py --shape "$shape" --batch "$batch" \
     --variant "$variant" --steps 12 "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep RESULT
 }
+if [ "${1:-}" = 8b ]; then  # issue 22's 8B rows in one run: Unsloth, fusetune offloaded, in-GPU
+  qlora llama-8b 2 unsloth 200 --gradient-checkpointing
+  qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
+  qlora llama-8b 2 fusetune 150 --gradient-checkpointing
+  echo "done in $SECONDS s"
+  exit 0
+fi
+PYTHONPATH=$PYTHONPATH:tests timeout 90 python3 tools/bench_launch.py 2>&1 | tee "$OUT/launch.log"
 qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
 qlora llama-3.2-1b 4 hf 70
 qlora llama-3.2-1b 4 fusetune 70

@@ -44,7 +44,9 @@ def fits(model, seq_len: int, device: torch.device) -> float | None:
         torch.cuda.empty_cache()
 
 
-def worker(shape_key: str, variant: str, start: int, step: int, limit: int) -> dict:
+def worker(
+    shape_key: str, variant: str, start: int, step: int, limit: int, max_step_s: float
+) -> dict:
     device = torch.device("cuda")
     cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
     offload = variant.endswith("+offload")
@@ -57,13 +59,16 @@ def worker(shape_key: str, variant: str, start: int, step: int, limit: int) -> d
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     good, bad, seconds = 0, None, None
     length = start
-    while length <= limit and bad is None:  # double until out of memory
+    # double until out of memory, or until the next step would take longer than max_step_s
+    # (attention's time grows as the square of the length: 4x a doubling)
+    while length <= limit and bad is None and 4 * (seconds or 0) <= max_step_s:
         took = fits(model, length, device)
         if took is None:
             bad = length
         else:
             good, seconds, length = length, took, length * 2
-    high = bad or limit + step
+            print(f"FIT {good} {took:.2f}", flush=True)  # (what a timed-out run still reports)
+    high = bad or good + step  # (no failure: the limit or the time bound stopped the doubling)
     while high - good > step:  # bisect between the last fit and the first failure
         middle = (good + high) // 2 // step * step
         took = fits(model, middle, device)
@@ -71,8 +76,9 @@ def worker(shape_key: str, variant: str, start: int, step: int, limit: int) -> d
             high = middle
         else:
             good, seconds = middle, took
+            print(f"FIT {good} {took:.2f}", flush=True)
     return dict(shape=SHAPES[shape_key].name, variant=variant, max_seq_len=good,
-                step_s=seconds, limit=limit)  # fmt: skip
+                step_s=seconds, bound="memory" if bad else "time or limit")  # fmt: skip
 
 
 def main() -> int:
@@ -83,10 +89,11 @@ def main() -> int:
     parser.add_argument("--step", type=int, default=8192)
     parser.add_argument("--limit", type=int, default=1 << 20)
     parser.add_argument("--timeout", type=float, default=280)
+    parser.add_argument("--max-step-s", type=float, default=20.0)
     parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(*args.worker, args.start, args.step, args.limit)
+        result = worker(*args.worker, args.start, args.step, args.limit, args.max_step_s)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     for shape in args.shapes:
@@ -98,6 +105,8 @@ def main() -> int:
                 str(args.step),
                 "--limit",
                 str(args.limit),
+                "--max-step-s",
+                str(args.max_step_s),
             ]
             command = [sys.executable, __file__, "--worker", shape, variant, *sizes]
             try:
@@ -106,8 +115,12 @@ def main() -> int:
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
                 tail = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else ["?"]
                 print(lines[0][7:] if lines else f"{shape} {variant}: error {tail[0][:200]}")
-            except subprocess.TimeoutExpired:
-                print(f"{shape} {variant}: timed out after {args.timeout:.0f} s")
+            except subprocess.TimeoutExpired as timeout:
+                partial = timeout.stdout or ""
+                partial = partial.decode() if isinstance(partial, bytes) else partial
+                fit = [ln.split() for ln in partial.splitlines() if ln.startswith("FIT ")]
+                best = f"fits {fit[-1][1]} ({fit[-1][2]} s a step)" if fit else "nothing fit"
+                print(f"{shape} {variant}: timed out after {args.timeout:.0f} s; {best}")
             sys.stdout.flush()
     return 0
 
