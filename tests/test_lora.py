@@ -148,7 +148,8 @@ def test_mixed_precision_compiled(op, base, adapter, autocast, monkeypatch):
 def test_inductor_adds_the_adapter_products_in_place(op):
     """Under Inductor the LoRA products are added into the base matmul's output (and into dx's
     partial sums) in place: the mutable fusetune::lora_add_mm_ with no addmm into a new buffer,
-    which copied its input first. Gradients as eager, bit for bit (the same matmuls, in order)."""
+    which copied its input first. Gradients as eager within bf16's rounding (on the CPU they are
+    bit-equal; on an H100 dx was not: Inductor lowers the graph's other ops its own way)."""
     from torch._inductor.utils import run_and_get_code
 
     op_fn, _, inputs, adapters, _ = make_case(op)
@@ -170,7 +171,7 @@ def test_inductor_adds_the_adapter_products_in_place(op):
     assert code.count("fusetune.lora_add_mm_.default(") == (6 if op == "qkv" else 3), code
     assert "extern_kernels.addmm" not in code, code
     for name, g, w in zip(["x", *adapters], got, want, strict=True):
-        assert torch.equal(g, w), name
+        assert_close(name, g, w, harness.tolerance(BF16))
 
 
 @pytest.mark.parametrize("kernel", ["_lora_glu_forward_kernel", "_lora_glu_backward_kernel"])
