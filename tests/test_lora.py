@@ -7,6 +7,8 @@ PEFT comparisons and the PEFT integration are in test_lora_peft.py."""
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 
 import pytest
 import torch
@@ -175,20 +177,48 @@ def test_inductor_adds_the_adapter_products_in_place(op):
 
 
 @pytest.mark.parametrize("kernel", ["_lora_glu_forward_kernel", "_lora_glu_backward_kernel"])
-def test_mlp_ranks_too_large_for_the_gpu_named(kernel, monkeypatch):
-    """A GLU kernel needing more shared memory than the GPU has (rank 256 on an H100): a
-    ValueError naming the ranks, not Triton's OutOfResources."""
+def test_mlp_ranks_too_large_for_the_gpu_run_unfused(kernel, monkeypatch):
+    """A GLU kernel needing more shared memory than the GPU has (rank 256 on an H100): one
+    warning naming the ranks, and the adapter products as separate matmuls, with the fused
+    path's results (fp32: no rounding between the two)."""
     op_fn, _, inputs, adapters, _ = make_case("mlp")
     tensors = {name: t.float().to(DEVICE).requires_grad_(name in adapters or name == "x")
                for name, t in inputs.items()}  # fmt: skip
-    monkeypatch.setattr(lora_module, kernel, harness.KernelOutOfSharedMemory())
-    ranks = "(4, 8)" if kernel == "_lora_glu_forward_kernel" else "(5, 4, 8)"
 
     def step():
-        op_fn(**tensors).sum().backward()
+        out = op_fn(**tensors)
+        (out * torch.linspace(-1, 1, out.shape[-1], device=DEVICE)).sum().backward()
+        grads = [tensors[name].grad for name in ["x", *adapters]]
+        for name in ["x", *adapters]:
+            tensors[name].grad = None
+        return [out.detach(), *grads]
 
-    message = f"lora_mlp: LoRA ranks {ranks} need 278528 bytes of shared memory|this GPU has"
-    assert_raises(ValueError, message, step)
+    want = step()
+    monkeypatch.setattr(lora_module, kernel, harness.KernelOutOfSharedMemory())
+    ranks = "(4, 8)" if kernel == "_lora_glu_forward_kernel" else "(5, 4, 8)"
+    message = f"lora_mlp: LoRA ranks {ranks} need 278528 bytes of shared memory"
+    with pytest.warns(UserWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
+        got = step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second step does not warn again
+        again = step()
+    for name, g, a, w in zip(["out", "x", *adapters], got, again, want, strict=True):
+        assert_close(name, g, w, harness.tolerance(FP32))
+        assert torch.equal(g, a), name
+
+
+@pytest.mark.parametrize("base", [BF16, FP32], ids=["bf16", "fp32"])
+def test_mlp_rank_256(base, monkeypatch):
+    """LoRA rank 256 on every MLP projection against the float64 reference: fused where the
+    GLU kernels fit the GPU (the CPU's interpreter), through the separate matmuls where they do
+    not (an H100: at most one warning a kernel)."""
+    shapes = {"gate": (150, 256, 2.0), "up": (150, 256, 0.5), "down": (24, 256, 1.5)}
+    monkeypatch.setattr(sys.modules[__name__], "MLP_SHAPES", shapes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run("mlp", base, FP32, lead=(40,), monkeypatch=monkeypatch)
+    messages = {str(w.message) for w in caught if "LoRA ranks" in str(w.message)}
+    assert len(messages) <= 2, messages
 
 
 @pytest.mark.parametrize("op", ["linear", "qkv", "mlp"])

@@ -35,23 +35,23 @@ functions.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from fusetune import _utils
 from fusetune._triton import INTERPRET, OutOfResources, dot, tl, triton
+from fusetune.ops import activation as glu_ops
 from fusetune.ops import quant4
 from fusetune.ops.activation import ACTIVATIONS as GLU_ACTIVATIONS
 from fusetune.ops.activation import _activation
 from fusetune.reference import lora as reference
 from fusetune.reference.lora import Projection
 
-# lora_mlp's activation names -> the activation kernel's codes.
-ACTIVATION_CODES = {
-    "swiglu": GLU_ACTIVATIONS["silu"],
-    "geglu": GLU_ACTIVATIONS["gelu"],
-    "geglu_tanh": GLU_ACTIVATIONS["gelu_tanh"],
-}
+# lora_mlp's activation names -> the activation kernels' names and codes.
+_GLU_NAMES = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+ACTIVATION_CODES = {name: GLU_ACTIVATIONS[glu] for name, glu in _GLU_NAMES.items()}
 
 # ============================================================================ kernels
 
@@ -223,19 +223,62 @@ def _padded_rank(*ranks: int) -> int:
     return max(16, _utils.next_power_of_2(max(ranks)))
 
 
-def _launch_glu(kernel, grid, ranks: tuple[int, ...], *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``; a launch that needs more shared memory than the GPU
-    has raises a ValueError naming the LoRA ranks. The GLU kernels hold rank-wide tiles: the
-    backward needs 122880 bytes at ranks up to 64, 196608 up to 128 and 344064 up to 256
-    (Triton 3.6, sm_90), so ranks up to 128 fit an H100 (232448) and up to 64 an A100."""
+_OVERSIZED: set[tuple[str, int, int]] = set()  # (kernel, padded rank, device) that did not fit
+
+
+def _launch_glu(kernel, grid, ranks: tuple[int, ...], *args, **kwargs) -> bool:
+    """``kernel[grid](*args, **kwargs)``: True when it ran, False (with one warning per kernel
+    and rank) when it needs more shared memory than the GPU has. The GLU kernels hold rank-wide
+    tiles: the backward needs 122880 bytes at ranks up to 64, 196608 up to 128 and 344064 up
+    to 256 (Triton 3.6, sm_90), so ranks up to 128 fit an H100 (232448) and up to 64 an A100;
+    above that the caller runs the adapter products as separate matmuls (_unfused_*)."""
+    key = (getattr(kernel, "__name__", repr(kernel)), kwargs["R"], args[0].device)
+    if key in _OVERSIZED:
+        return False
     try:
         kernel[grid](*args, **kwargs)
+        return True
     except OutOfResources as error:
-        raise ValueError(
+        _OVERSIZED.add(key)
+        warnings.warn(
             f"lora_mlp: LoRA ranks {ranks} need {error.required} bytes of {error.name} in the "
-            f"fused MLP kernels and this GPU has {error.limit}; train with a smaller rank (up "
-            "to 128 on an H100, 64 on an A100)"
-        ) from error
+            f"fused GLU kernel and this GPU has {error.limit}; their adapter products run as "
+            "separate matmuls, slower, with gate and up rounded once more (up to rank 128 on "
+            "an H100, 64 on an A100 stay fused)",
+            stacklevel=2,
+        )
+        return False
+
+
+def _with_adapters(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up):
+    """gate + s_gate xa_gate b_gate^T and up + s_up xa_up b_up^T, new tensors in gate's dtype."""
+    dtype = gate.dtype
+    return (torch.addmm(gate, _cast(xa_gate, dtype), _cast(b_gate, dtype).t(), alpha=s_gate),
+            torch.addmm(up, _cast(xa_up, dtype), _cast(b_up, dtype).t(), alpha=s_up))  # fmt: skip
+
+
+def _unfused_glu_forward(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up, activation):
+    """_glu_forward's result for ranks the fused kernel cannot hold."""
+    gate, up = _with_adapters(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up)
+    return glu_ops._forward(gate, up, _GLU_NAMES[activation])
+
+
+def _unfused_glu_backward(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate,
+                          b_up, s_gate, s_up, activation, grad_gate, grad_up):
+    """_glu_backward's results for ranks the fused kernels cannot hold: the activation's
+    backward kernel on the LoRA-added gate / up and dh, the adapter sums as fp32 matmuls."""
+    gate_l, up_l = _with_adapters(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up)
+    dh = torch.addmm(grad_h, _cast(g_down, grad_h.dtype), _cast(a_down, grad_h.dtype),
+                     alpha=s_down)  # fmt: skip
+    h = torch.empty_like(gate_l)
+    glu_ops._backward(dh, gate_l, up_l, h, grad_gate, grad_up, _GLU_NAMES[activation], True)
+    del gate_l, up_l, dh
+
+    def column_sums(thin, wide, scaling):  # scaling * thin^T wide, fp32 [rank, I]
+        return torch.mm(thin.t().float(), wide.float()).mul_(scaling)
+
+    return (column_sums(g_down, h, s_down), column_sums(xa_gate, grad_gate, s_gate),
+            column_sums(xa_up, grad_up, s_up))  # fmt: skip
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
@@ -253,7 +296,7 @@ def _glu_forward(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up, activatio
     )
     bm, bn = FORWARD_BM, FORWARD_BN
     grid = (_utils.cdiv(n_rows, bm) * _utils.cdiv(n_cols, bn),)
-    _launch_glu(
+    launched = _launch_glu(
         _lora_glu_forward_kernel, grid, (xa_gate.shape[1], xa_up.shape[1]),
         gate, up, xa_gate, xa_up, b_gate, b_up, out, s_gate, s_up, n_rows, n_cols,
         xa_gate.shape[1], xa_up.shape[1], gate.stride(0), up.stride(0), xa_gate.stride(0),
@@ -262,6 +305,9 @@ def _glu_forward(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up, activatio
         UPCAST=INTERPRET, R=_padded_rank(xa_gate.shape[1], xa_up.shape[1]), BM=bm, BN=bn,
         num_warps=FORWARD_WARPS,
     )
+    if not launched:
+        return _unfused_glu_forward(gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up,
+                                    activation)  # fmt: skip
     return out
 
 
@@ -291,7 +337,7 @@ def _glu_backward(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_ga
         _unit_columns, (grad_h, g_down, a_down, xa_gate, xa_up, b_gate, b_up)
     )
     grid = (_utils.cdiv(n_cols, BACKWARD_BN), splits)
-    _launch_glu(
+    launched = _launch_glu(
         _lora_glu_backward_kernel, grid, ranks,
         grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_gate, b_up, s_gate, s_up,
         grad_gate, grad_up, *parts, n_rows, n_cols, rows_per_split, *ranks,
@@ -302,6 +348,9 @@ def _glu_backward(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up, b_ga
         UPCAST=INTERPRET, R=_padded_rank(*ranks), BM=BACKWARD_BM, BN=BACKWARD_BN,
         num_warps=BACKWARD_WARPS,
     )
+    if not launched:
+        return _unfused_glu_backward(grad_h, g_down, a_down, s_down, gate, up, xa_gate, xa_up,
+                                     b_gate, b_up, s_gate, s_up, activation, grad_gate, grad_up)
     return tuple(part.sum(0) if splits > 1 else part[0] for part in parts)
 
 
