@@ -223,16 +223,18 @@ def _padded_rank(*ranks: int) -> int:
     return max(16, _utils.next_power_of_2(max(ranks)))
 
 
-_OVERSIZED: set[tuple[str, int, int]] = set()  # (kernel, padded rank, device) that did not fit
+# (kernel, padded rank, dtype, device) launches that did not fit: not tried again
+_OVERSIZED: set[tuple[str, int, torch.dtype, torch.device]] = set()
 
 
 def _launch_glu(kernel, grid, ranks: tuple[int, ...], *args, **kwargs) -> bool:
-    """``kernel[grid](*args, **kwargs)``: True when it ran, False (with one warning per kernel
-    and rank) when it needs more shared memory than the GPU has. The GLU kernels hold rank-wide
-    tiles: the backward needs 122880 bytes at ranks up to 64, 196608 up to 128 and 344064 up
-    to 256 (Triton 3.6, sm_90), so ranks up to 128 fit an H100 (232448) and up to 64 an A100;
-    above that the caller runs the adapter products as separate matmuls (_unfused_*)."""
-    key = (getattr(kernel, "__name__", repr(kernel)), kwargs["R"], args[0].device)
+    """``kernel[grid](*args, **kwargs)``: True when it ran, False (with one warning per kernel,
+    rank and dtype) when it needs more shared memory than the GPU has. The GLU kernels hold
+    rank-wide tiles: the backward needs 122880 bytes at ranks up to 64, 196608 up to 128 and
+    344064 up to 256 (Triton 3.6, sm_90), so ranks up to 128 fit an H100 (232448) and up to 64
+    an A100; above that the caller runs the adapter products as separate matmuls
+    (_unfused_*)."""
+    key = (getattr(kernel, "__name__", repr(kernel)), kwargs["R"], args[0].dtype, args[0].device)
     if key in _OVERSIZED:
         return False
     try:
