@@ -11,10 +11,10 @@
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU.
-#   bash tools/gpu_pending.sh long      1 GPU, carry .peers (~9 minutes): the in-place LoRA add's
-#     Inductor test, then issue 18 item 3, the longest sequence at batch 1 (tools/long_context.py;
-#     HF + PEFT, Liger, fusetune, fusetune with offloaded checkpoints), Llama-3.2-1B then the
-#     8B shape (SHAPES=..., VARIANTS=... to choose).
+#   bash tools/gpu_pending.sh long      1 GPU, carry .unsloth .bnb .peers (63 MiB; ~9 minutes a
+#     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
+#     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
+#     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it).
@@ -23,14 +23,15 @@ OUT=${OUT:-/tmp/fusetune-gpu-pending}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = long ]; then
+  # shellcheck source=tools/unsloth_env.sh
+  source tools/unsloth_env.sh  # (.unsloth and .bnb when carried: the unsloth variant)
   bash tools/install_carried.sh .peers >/dev/null 2>&1
-  export PYTHONPATH=src:tools:/tmp/site
-  export PYTHONPATH=$PYTHONPATH:tests
+  export PYTHONPATH=src:tools:tests:/tmp/site
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k inductor 2>&1 \
     | tail -3 | tee "$OUT/compiled.log"
   for shape in ${SHAPES:-llama-3.2-1b llama-8b}; do
-    timeout 330 python3 tools/long_context.py --shapes "$shape" --timeout 100 \
-      --variants ${VARIANTS:-hf+peft hf+peft+liger hf+peft+fusetune hf+peft+fusetune+offload} \
+    timeout 400 python3 tools/long_context.py --shapes "$shape" --timeout 100 --limit 262144 \
+      --variants ${VARIANTS:-hf+peft hf+peft+liger hf+peft+fusetune hf+peft+fusetune+offload unsloth} \
       2>&1 | tee -a "$OUT/long_context.log"
   done
   echo "done in $SECONDS s"

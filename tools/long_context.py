@@ -1,6 +1,7 @@
 """The longest sequence that trains at batch 1 on this GPU: one LoRA step (forward, backward,
 AdamW) of a random-weight model with gradient checkpointing, for HF + PEFT, + Liger-Kernel, +
-fusetune, and + fusetune with the checkpointed layer inputs offloaded to host memory.
+fusetune, + fusetune with the checkpointed layer inputs offloaded to host memory, and Unsloth
+(its own checkpointing, which offloads the layer inputs; run under tools/unsloth_env.sh).
 
 Each variant runs in its own process (Liger patches transformers for the whole process): the
 sequence doubles from --start until a step runs out of memory, then a bisection to --step.
@@ -22,7 +23,7 @@ from bench_qlora import LLAMA_8B  # tools/ is on sys.path when run as a script
 from fusetune.bench import cases_e2e
 
 SHAPES = {**cases_e2e.SHAPES, "llama-8b": LLAMA_8B}
-VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+offload")
+VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+offload", "unsloth")
 
 
 def fits(model, seq_len: int, device: torch.device) -> float | None:
@@ -44,19 +45,26 @@ def fits(model, seq_len: int, device: torch.device) -> float | None:
         torch.cuda.empty_cache()
 
 
-def worker(
-    shape_key: str, variant: str, start: int, step: int, limit: int, max_step_s: float
-) -> dict:
-    device = torch.device("cuda")
-    cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
-    offload = variant.endswith("+offload")
-    model = cases_e2e.build(SHAPES[shape_key], variant.removesuffix("+offload"), device, False)
-    if offload:
+def build(shape, variant: str, device: torch.device, limit: int) -> torch.nn.Module:
+    """The variant's LoRA model with its gradient checkpointing on."""
+    if variant == "unsloth":  # (its checkpointing is chosen at load)
+        return cases_e2e.build_unsloth(shape, False, limit, gradient_checkpointing=True)
+    model = cases_e2e.build(shape, variant.removesuffix("+offload"), device, False)
+    if variant.endswith("+offload"):
         from fusetune.integrations.checkpointing import enable_offloaded_checkpointing
 
         enable_offloaded_checkpointing(model)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def worker(
+    shape_key: str, variant: str, start: int, step: int, limit: int, max_step_s: float
+) -> dict:
+    device = torch.device("cuda")
+    cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
+    model = build(SHAPES[shape_key], variant, device, limit)
     good, bad, seconds = 0, None, None
     length = start
     # double until out of memory, or until the next step would take longer than max_step_s

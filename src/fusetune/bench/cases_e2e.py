@@ -283,16 +283,19 @@ def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch
     return model
 
 
-def build_unsloth(shape: Shape, tiny: bool, **options: Any) -> torch.nn.Module:
-    """Unsloth's LoRA model of ``shape`` from the saved random weights (``options``: load_in_4bit,
-    gradient_checkpointing). Raises RuntimeError without unsloth."""
+def build_unsloth(
+    shape: Shape, tiny: bool, seq_len: int | None = None, **options: Any
+) -> torch.nn.Module:
+    """Unsloth's LoRA model of ``shape`` from the saved random weights, for sequences up to
+    ``seq_len`` (default: the bench's) (``options``: load_in_4bit, gradient_checkpointing).
+    Raises RuntimeError without unsloth."""
     why = unsloth_variant.missing()
     if why:
         raise RuntimeError(why)
     folder = unsloth_variant.model_folder(
         shape.model_type, shape.config, TINY_CONFIG if tiny else None
     )
-    seq_len = TINY_SEQ_LEN if tiny else SEQ_LEN
+    seq_len = seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
     return unsloth_variant.load(folder, _targets(shape), RANK, ALPHA, seq_len, **options)
 
 
