@@ -344,7 +344,8 @@ def _gdr_args():
     batched = inputs(2, 5, BF16)
     packed = inputs(1, 7, F32)
     cu = torch.tensor([0, 3, 7], device=DEVICE, dtype=torch.int32)
-    # l2-normalised fp32 q and k with bf16 v, as the public function passes them
+    # l2-normalised fp32 q and k with bf16 v, as the public function passes them to the
+    # recurrent kernels (the chunk kernels normalise raw q and k themselves: the l2norm flag)
     mixed = (F.normalize(rand(2, 5, 1, 8), dim=-1), F.normalize(rand(2, 5, 1, 8), dim=-1),
              *batched[2:])  # fmt: skip
     return [(*batched, None, None, 0.35), (*packed, rand(2, 2, 8, 4), cu, 0.35),
@@ -353,28 +354,34 @@ def _gdr_args():
 
 # (output_final_state, chunked) for each argument set of _gdr_args / _gsa_args: every flag
 # value and both modes with and without initial states, without the full product (the chunked
-# kernels are the slowest cases under the interpreter).
+# kernels are the slowest cases under the interpreter). The gated delta rule's sets add its l2norm
+# flag (chunk mode's kernels normalise raw q, k; the mixed set is the recurrent mode's input).
 FLAGS_PER_ARGS = (((False, True), (True, False)), ((True, True), (False, False)), ((True, True),))
+GDR_FLAGS_PER_ARGS = (
+    ((False, True, False), (True, False, False), (False, True, True)),
+    ((True, True, False), (False, False, False)),
+    ((True, False, False),),
+)
 
 
-def with_flags(arg_sets):
+def with_flags(arg_sets, flags_per_args=FLAGS_PER_ARGS):
     return [
         (*args, *flags)
-        for args, flag_sets in zip(arg_sets, FLAGS_PER_ARGS, strict=True)
+        for args, flag_sets in zip(arg_sets, flags_per_args, strict=True)
         for flags in flag_sets
     ]
 
 
 def gated_delta_rule_forward():
-    return with_flags(_gdr_args())
+    return with_flags(_gdr_args(), GDR_FLAGS_PER_ARGS)
 
 
 def gated_delta_rule_backward():
     cases = []
-    for *args, final, chunked in gated_delta_rule_forward():
-        o, h_t = OPS.gated_delta_rule_forward(*args, final, chunked)
+    for *args, final, chunked, l2norm in gated_delta_rule_forward():
+        o, h_t = OPS.gated_delta_rule_forward(*args, final, chunked, l2norm)
         dh_t = rand(*h_t.shape) if final else None
-        cases.append((rand(*o.shape, dtype=o.dtype), dh_t, *args, final, chunked))
+        cases.append((rand(*o.shape, dtype=o.dtype), dh_t, *args, final, chunked, l2norm))
     return cases
 
 

@@ -7,8 +7,8 @@ settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
 
 The second argument is the products' mode (ieee | split3: FUSETUNE_GDR_DOT), the third the
 dtype of the inputs q, k, v, beta and dO (fp32 | bf16 | fp16; the 16-bit ones take 16-bit
-tensor-core products in split3 mode), or l2norm: bf16 with q, k in fp32, as the models call it
-(use_qk_l2norm_in_kernel normalises q, k in fp32 before the kernels). A fourth argument
+tensor-core products in split3 mode), or l2norm: bf16 with the kernels normalising q and k rows
+(L2NORM), as the models call it (use_qk_l2norm_in_kernel). A fourth argument
 ``hints`` compiles as a launch at such shapes does: every pointer and integer argument marked
 divisible by 16 (Triton 3.6's LLVM aborted on GSA's recurrent kernels only with these hints).
 
@@ -46,8 +46,7 @@ def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str, hints: bool =
         elif name in INTS or name.startswith("s"):
             signature[name] = "i32"
         elif name in INPUTS:
-            normalised = dtype == "l2norm" and name in ("q", "k")
-            signature[name] = "*" + ("fp32" if normalised else dtype.replace("l2norm", "bf16"))
+            signature[name] = "*" + dtype.replace("l2norm", "bf16")
         else:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=1)
@@ -63,7 +62,7 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     bt = gdr_chunk.chunk_size(False, dim)
     state_bv = 32 if dim <= 128 else 16  # gdr_recurrent.block_v
     bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
-    base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode])
+    base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
     jobs = [
         ("wy_kernel", gdr_chunk.wy_kernel, base, 8),
         (

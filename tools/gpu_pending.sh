@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# What the stop of 2026-11-26 (seventh) left unmeasured, logs under $OUT (few files: the device
-# returns ~8 per call). Run each as the first call on a fresh machine (a machine held for long
-# gets a jittery host, and this session's QLoRA 1B rows read 40 % slow on one):
+# What the stops of 2026-11-26 (seventh, eighth) left unmeasured, logs under $OUT (few files:
+# the device returns ~8 per call). Run each as the first call on a fresh machine (a machine held
+# for long gets a jittery host; QLoRA 1B rows read 25-40 % slow on two such machines):
 #   bash tools/gpu_pending.sh           1 GPU, carry .unsloth .bnb (~8 minutes): issue 22's
 #     rows. First the QLoRA 8B b2 step with fusetune's offloaded checkpointing (its memory
 #     target: Unsloth offloads and peaked 7.03 GiB, fusetune's in-GPU checkpoints 7.55; the
@@ -15,6 +15,9 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
+#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~9 minutes): the Gated DeltaNet GPU tests
+#     with q, k normalised inside the chunk kernels, then tools/gdr_modes_bench.py (the l2norm
+#     call was 24.95 ms, 1544 MiB at B4 T4096 H16 D128 on an H200; unit q, k 18.08, 902).
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it).
@@ -34,6 +37,14 @@ if [ "${1:-}" = long ]; then
       --variants ${VARIANTS:-hf+peft hf+peft+liger hf+peft+fusetune hf+peft+fusetune+offload unsloth} \
       2>&1 | tee -a "$OUT/long_context.log"
   done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr ]; then  # the l2norm folded into the chunk kernels: GPU tests, then times
+  export PYTHONPATH=src:tests
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_gated_delta_rule.py \
+    2>&1 | tail -15 | tee "$OUT/gdr-tests.log"
+  timeout 200 python3 tools/gdr_modes_bench.py 2>&1 | tee "$OUT/gdr-modes.log"
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -204,19 +204,21 @@ _ADVICE = {
 }
 
 
-def explain_out_of_resources(impl: Callable, op: str, heads: Callable[[tuple], str]) -> Callable:
-    """``impl`` (an op's forward or backward, its last argument ``chunked``) with Triton's
-    OutOfResources, raised when a kernel needs more shared memory than the GPU has, turned into
-    a ValueError that names the op, the mode and the head sizes (``heads(args)``): the block
-    sizes follow K, V (and M), so the sizes a GPU holds differ by GPU (H100: 227 KB a block,
-    A100: 163 KB, consumer parts ~100 KB)."""
+def explain_out_of_resources(
+    impl: Callable, op: str, heads: Callable[[tuple], str], chunked_at: int = -1
+) -> Callable:
+    """``impl`` (an op's forward or backward; its argument at ``chunked_at`` is the flag
+    ``chunked``) with Triton's OutOfResources, raised when a kernel needs more shared memory
+    than the GPU has, turned into a ValueError that names the op, the mode and the head sizes
+    (``heads(args)``): the block sizes follow K, V (and M), so the sizes a GPU holds differ by
+    GPU (H100: 227 KB a block, A100: 163 KB, consumer parts ~100 KB)."""
 
     @functools.wraps(impl)
     def run(*args):
         try:
             return impl(*args)
         except OutOfResources as error:
-            mode = "chunk" if args[-1] else "recurrent"
+            mode = "chunk" if args[chunked_at] else "recurrent"
             raise ValueError(
                 f"{op}(mode={mode!r}) at {heads(args)}: a kernel needs {error.required} of "
                 f"{error.name} and this GPU has {error.limit}; {_ADVICE[mode]}"

@@ -67,11 +67,13 @@ def _prepare(q, k, v, h0, cu_seqlens):
     return q, k, v, h0, cu
 
 
-def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
+def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked,
+                  l2norm):
     q, k, v, h0, cu = _prepare(q, k, v, h0, cu_seqlens)
     plan = _Plan(q, v, cu)
     if chunked:
-        return _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state)
+        return _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state,
+                                l2norm)
     o = _utils.empty(v.shape, v.dtype, v.device)
     hT = _utils.empty(plan.state_shape if output_final_state else (0,), torch.float32, v.device)
     if plan.n_seq * plan.value_heads == 0:
@@ -88,7 +90,7 @@ def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, c
 class _ChunkRun:
     """Buffers and launch constants of the chunked kernels for one call."""
 
-    def __init__(self, plan: _Plan, v: torch.Tensor) -> None:
+    def __init__(self, plan: _Plan, v: torch.Tensor, l2norm: bool) -> None:
         device, f32 = v.device, torch.float32
         self.bt = gdr_chunk.chunk_size(_utils.INTERPRET, plan.key_dim)
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
@@ -113,7 +115,7 @@ class _ChunkRun:
         # in fp16 (issue 20, item 4). Tensor cores at about fp32's accuracy by default
         # (gdr_chunk.mm's split3); FUSETUNE_GDR_DOT=ieee runs IEEE FMA.
         self.common = dict(GROUP=plan.group, K=plan.key_dim, BT=self.bt, BK=self.bk,
-                           VARLEN=plan.varlen, DOT=dot, num_warps=4,
+                           VARLEN=plan.varlen, DOT=dot, L2NORM=l2norm, num_warps=4,
                            num_stages=1)  # shared memory: see gdr_chunk's SHARED MEMORY
         # The per-chunk kernels hold many [BT, K] and [BT, V] tiles: more warps, fewer
         # registers a thread.
@@ -136,7 +138,7 @@ class _ChunkRun:
         )
 
 
-def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
+def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, l2norm):
     """The chunked forward (``gdr_chunk``): WY per chunk, states across chunks, outputs."""
     o = _utils.empty(v.shape, v.dtype, v.device)
     hT = _utils.empty(plan.state_shape if output_final_state else (0,), torch.float32, v.device)
@@ -144,7 +146,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
         if output_final_state:  # no tokens: the final state is the initial one
             hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
         return o, hT
-    run = _ChunkRun(plan, v)
+    run = _ChunkRun(plan, v, l2norm)
     cu_arg = o if cu is None else cu
     run.states(plan, k, v, g, beta, h0, hT if output_final_state else None, cu_arg)
     out_block = min(run.bva, 64)  # value columns a program: keeps its S0 slice at [K, 64]
@@ -156,7 +158,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state):
     return o, hT
 
 
-def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
+def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     """The chunked backward: recompute the forward's states, reverse over chunks for the state
     gradients and dD, then every input gradient per chunk."""
     device, f32 = v.device, torch.float32
@@ -171,7 +173,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
     if plan.empty():
         dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
         return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
-    run = _ChunkRun(plan, v)
+    run = _ChunkRun(plan, v, l2norm)
     cu_arg = dv if cu is None else cu
     run.states(plan, k, v, g, beta, h0, None, cu_arg)
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
@@ -193,7 +195,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale):
 
 
 def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
-                   chunked):
+                   chunked, l2norm):
     q, k, v, h0, cu = _prepare(q, k, v, h0, cu_seqlens)
     do = unit_last_stride(do)
     plan = _Plan(q, v, cu)
@@ -201,7 +203,7 @@ def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_fina
     dhT = dhT.contiguous() if output_final_state and dhT is not None else None
     if chunked:
         dq, dk, dv, dg, dbeta, dh0 = _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu,
-                                                       scale)
+                                                       scale, l2norm)
         dq, dk = (_sum_group(x, plan) for x in (dq, dk))
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
     rows = (plan.batch, plan.seq_len, plan.value_heads)
@@ -251,7 +253,8 @@ def _fake_state(q, v, cu_seqlens):
     return q.new_empty((n_seq, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
 
 
-def _fake_forward(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
+def _fake_forward(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked,
+                  l2norm):
     o = v.new_empty(v.shape)
     if not output_final_state:
         return o, q.new_empty((0,), dtype=torch.float32)
@@ -259,7 +262,7 @@ def _fake_forward(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, c
 
 
 def _fake_backward(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
-                   chunked):
+                   chunked, l2norm):
     grads = tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
     return (*grads, _fake_state(q, v, cu_seqlens))
 
@@ -268,19 +271,22 @@ def _heads(q, k, v) -> str:
     return f"K = {q.shape[-1]}, V = {v.shape[-1]}"
 
 
-_ARGS = "Tensor? h0, Tensor? cu_seqlens, float scale, bool output_final_state, bool chunked"
+_ARGS = (
+    "Tensor? h0, Tensor? cu_seqlens, float scale, bool output_final_state, bool chunked, "
+    "bool l2norm"
+)
 
 _forward_op = _utils.register_op(
     f"gated_delta_rule_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {_ARGS}) "
     "-> (Tensor, Tensor)",
     fake=_fake_forward,
-)(explain_out_of_resources(_forward_impl, "gated_delta_rule", lambda a: _heads(*a[:3])))
+)(explain_out_of_resources(_forward_impl, "gated_delta_rule", lambda a: _heads(*a[:3]), -2))
 
 _backward_op = _utils.register_op(
     "gated_delta_rule_backward(Tensor do, Tensor? dhT, Tensor q, Tensor k, Tensor v, Tensor g, "
     f"Tensor beta, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_fake_backward,
-)(explain_out_of_resources(_backward_impl, "gated_delta_rule", lambda a: _heads(*a[2:5])))
+)(explain_out_of_resources(_backward_impl, "gated_delta_rule", lambda a: _heads(*a[2:5]), -2))
 
 
 # ============================================================================ autograd
@@ -288,11 +294,12 @@ _backward_op = _utils.register_op(
 
 class _GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked):
+    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked,
+                l2norm):
         o, hT = _forward_op(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
-                            chunked)
+                            chunked, l2norm)
         ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
-        ctx.options = (scale, output_final_state, chunked)
+        ctx.options = (scale, output_final_state, chunked, l2norm)
         ctx.state_dtype = None if h0 is None else h0.dtype
         return o, hT
 
@@ -300,12 +307,11 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dhT):
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
-        scale, output_final_state, chunked = ctx.options
         dq, dk, dv, dg, dbeta, dh0 = _backward_op(
-            do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked
+            do, dhT, q, k, v, g, beta, h0, cu_seqlens, *ctx.options
         )
         dh0 = None if h0 is None else dh0.to(ctx.state_dtype)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
 
 
 # ============================================================================ public function
@@ -381,12 +387,16 @@ def gated_delta_rule(
         )
     _check_kernel_dims(shapes)
     scale = shapes.key_dim**-0.5 if scale is None else float(scale)
+    chunked = mode == "chunk"
     with torch.autocast(device_type, enabled=False):
-        if use_qk_l2norm_in_kernel:  # fp32 normalised q, k: no rounding before the kernel
+        # The chunk kernels normalise q and k rows themselves (folded into per-token factors:
+        # the products keep the 16-bit inputs); the recurrent ones take fp32 normalised q, k
+        # (no rounding before the kernel).
+        if use_qk_l2norm_in_kernel and not chunked:
             q, k = l2norm(q.float()), l2norm(k.float())
         o, final = _GatedDeltaRuleFunction.apply(
-            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-            mode == "chunk",
+            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, chunked,
+            use_qk_l2norm_in_kernel and chunked,
         )
     return o, (final if output_final_state else None)
 

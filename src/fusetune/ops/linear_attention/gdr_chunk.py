@@ -16,7 +16,10 @@ Products are fp32-exact (``mm``, ``DOT``): tensor cores (3, the default,
 halves) or IEEE FMA (2, ``ieee``).
 Where an input meets a per-token factor, the factor moves onto the other operand
 (W = (T diag(beta e^G)) K, U = (T diag(beta)) V, (e^G Q) S0 = diag(e^G) (Q S0)) so that the
-input stays a 16-bit tile. exp arguments are <= 0.
+input stays a 16-bit tile. exp arguments are <= 0. The models' l2norm of q and k (L2NORM) is
+such a factor too: each kernel takes 1 / ||q_t||, 1 / ||k_t|| from the rows it loads
+(``inv_norms``) and folds them in (Q_n K_n^T = diag(rq) (Q K^T) diag(rk), ...), and the
+backward takes dq, dk back through the normalisation at the end (``_l2norm_grad``).
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #   K = V = 128, BT 64      wy      states  output  dstates  bwd_chunk
 #     ieee fp32             32768   90112   114688  106752   147456 (BVA 64)
 #     split3 fp32           98304   98304   65536   114688   196608 (BVA 32)
-#     split3 l2norm         98304   98304   65536   114688   196608 (BVA 32)
 #     split3 bf16 / fp16    98304   65536   65536   114688   163840 (BVA 32; 229376 at 64)
+#     split3 l2norm (bf16 q, k normalised in the kernels; Triton 3.6 with the launch's hints)
+#                           98304   49152   65536   98304    163840 (fp32 q, k before: 98304,
+#                                                   98304, 65536, 114688, 196608)
 #   K = V = 256, BT 32
 #     ieee fp32             32768   71680   139264  75904    102528
 #     split3 fp32 / l2norm  65536   34816   65536   81920    98304
@@ -232,6 +237,26 @@ def _tail(g, r):
 
 
 @triton.jit
+def inv_norms(x_in, BT: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / ||x_t|| for each row of an input tile (tokens along axis 0, the whole head dim along
+    axis 1), as the models' l2norm has it (x rsqrt(sum x^2 + 1e-6)), or ones without L2NORM.
+    The kernels fold these into per-token factors, so that q and k enter the products as the
+    16-bit input tiles they are (one tensor-core product where fp32 q, k took a split one)."""
+    if L2NORM:
+        x = x_in.to(tl.float32)
+        return tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) + 1e-6))
+    else:
+        return tl.full([BT], 1.0, tl.float32)
+
+
+@triton.jit
+def _l2norm_grad(x_in, r, dy):
+    """The gradient of x from that of y = x r (r = 1 / ||x||, rows): r (dy - y <y, dy>)."""
+    y = x_in.to(tl.float32) * r[:, None]
+    return r[:, None] * (dy - y * tl.sum(y * dy, axis=1)[:, None])
+
+
+@triton.jit
 def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BT, BT] A, in 16-row blocks: forward substitution inside
     the diagonal blocks (all blocks at once, 15 steps, each one matmul: row p of every block is
@@ -265,7 +290,7 @@ def wy_kernel(
     k, g, beta, gc_buf, t_buf, cu,
     sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     T, HV, GROUP: tl.constexpr, K, BT: tl.constexpr, BK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT: tl.constexpr,
+    VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Per chunk: T = (I + A)^-1 [T, HV, BT] and the floored gates g [T, HV] for the other
     kernels (fp32, rows of the contiguous buffers r = (b * T + t) * HV + h). W and U are
@@ -282,7 +307,9 @@ def wy_kernel(
     gq = tl.maximum(gq, -1.0e4)  # exp(-1e4) is 0 to fp32; -inf would give 0 * inf below
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     r = tl.arange(0, BT)
-    A = bc[:, None] * mm(k_in, tl.trans(k_in), DOT) * _decays(gq, r, True, DOT)
+    rk = inv_norms(k_in, BT, L2NORM)
+    KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
+    A = bc[:, None] * KK * _decays(gq, r, True, DOT)
     Tinv = _unit_lower_inverse(A, r, BT, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(gc_buf + out_rows, gq, mask=mt)
@@ -290,10 +317,11 @@ def wy_kernel(
 
 
 @triton.jit
-def _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT: tl.constexpr, DOT: tl.constexpr):
-    """T and W = T (beta e^G K) of a chunk, as (T diag(beta e^G)) K: K stays an input tile."""
+def _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, rk, BT: tl.constexpr, DOT: tl.constexpr):
+    """T and W = T (beta e^G K) of a chunk (K's rows normalised by rk), as
+    (T diag(beta e^G rk)) K: K stays an input tile."""
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    return Tinv, mm(Tinv * (bc * tl.exp(gc))[None, :], k_in, DOT)
+    return Tinv, mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)
 
 
 @triton.jit
@@ -302,6 +330,7 @@ def states_kernel(
     sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
     """Sequential over the chunks of one sequence, value head and block of value columns: store
     each chunk's start state S0 [slot, HV, K, V] and its writes D = U - W S0 [T, HV, V]."""
@@ -333,11 +362,12 @@ def states_kernel(
                        other=0.0)  # k, v in their input dtype: see mm
         v_in = tl.load(v + rows[:, None] * sv_t + cv[None, :], mask=mtv, other=0.0)
         bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-        Tinv, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT, DOT)
+        rk = inv_norms(k_in, BT, L2NORM)
+        Tinv, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, rk, BT, DOT)
         Dc = mm(Tinv * bc[None, :], v_in, DOT) - mm(Wc, S, DOT)  # U - W S0, U = (T diag beta) V
         tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mtv)
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
-        S = S * tl.exp(g_last) + mm(tl.trans(k_in), to_end[:, None] * Dc, DOT)
+        S = S * tl.exp(g_last) + mm(tl.trans(k_in), (to_end * rk)[:, None] * Dc, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
@@ -347,7 +377,7 @@ def output_kernel(
     q, k, gc_buf, d_buf, h_buf, o, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, so_b, so_t, so_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
-    BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma) D] for one chunk, value head and block of
     BVA value columns (program axis 2)."""
@@ -371,8 +401,10 @@ def output_kernel(
     slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
     S0 = tl.load(h_buf + (slot * HV + i_h) * K * V + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
+    rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
     attn = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
-    out = (scale * tl.exp(gc))[:, None] * mm(q_in, S0, DOT) + mm(attn, Dc, DOT)
+    attn = attn * (rq[:, None] * rk[None, :])
+    out = (scale * rq * tl.exp(gc))[:, None] * mm(q_in, S0, DOT) + mm(attn, Dc, DOT)
     tl.store(o + i_b * so_b + i_h * so_h + rows[:, None] * so_t + cv[None, :],
              out.to(o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
@@ -391,6 +423,7 @@ def dstates_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
     """Reverse over chunks: dS (the gradient of the state after the chunk) per chunk into
     dh_buf, dD = exp(G_last - G) K dS + P^T dO into dd_buf, and dS before the chunk:
@@ -429,13 +462,15 @@ def dstates_kernel(
                         other=0.0)
         gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
         bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-        _, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, BT, DOT)
+        rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
+        _, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, rk, BT, DOT)
         P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
+        P = P * (rq[:, None] * rk[None, :])
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
-        dDc = to_end[:, None] * mm(k_in, dS, DOT) + mm(tl.trans(P), dO_in, DOT)
+        dDc = (to_end * rk)[:, None] * mm(k_in, dS, DOT) + mm(tl.trans(P), dO_in, DOT)
         tl.store(dd_buf + buf_rows[:, None] * V + cv[None, :], dDc,
                  mask=mt[:, None] & mv[None, :])
-        dOe = (scale * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
+        dOe = (scale * rq * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
         dS = dS * tl.exp(g_last) + mm(tl.trans(q_in), dOe, DOT) - mm(tl.trans(Wc), dDc, DOT)
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
@@ -447,7 +482,7 @@ def bwd_chunk_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
-    BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Every input gradient of one chunk and value head (dq, dk per value head in fp32; dv;
     dbeta, dg in fp32) from S0, dS (the gradient after the chunk), D and dD. The value columns
@@ -468,8 +503,11 @@ def bwd_chunk_kernel(
                    other=0.0)
     k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
                    other=0.0)
-    qc = q_in.to(tl.float32) * scale
-    kc = k_in.to(tl.float32)
+    # With L2NORM, q and k below stand for their normalised rows (rq, rk: 1 / norms, folded
+    # into the per-token factors); dq and dk go back through the normalisation at the end.
+    rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
+    qc = q_in.to(tl.float32) * (scale * rq)[:, None]
+    kc = k_in.to(tl.float32) * rk[:, None]
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
@@ -512,15 +550,15 @@ def bwd_chunk_kernel(
     eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
     gamma = _decays(gq, r, False, DOT)
     gamma_lower = _decays(gq, r, True, DOT)
-    KK = mm(k_in, tl.trans(k_in), DOT)
+    KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     A = bc[:, None] * KK * gamma_lower
     kb = (bc * eg)[:, None] * kc
-    Wc = mm(Tinv * (bc * eg)[None, :], k_in, DOT)  # T kb
+    Wc = mm(Tinv * (bc * eg * rk)[None, :], k_in, DOT)  # T kb
     # O = (e^G Q) S0 + P D with P = (Q K^T) * Gamma (Q scaled).
-    P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma)
+    P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
     dQK = dP * gamma
-    dq = eg[:, None] * dQe + mm(dQK, k_in, DOT)
-    dk = scale * mm(tl.trans(dQK), q_in, DOT)
+    dq = eg[:, None] * dQe + mm(dQK * rk[None, :], k_in, DOT)
+    dk = scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
     # S_end = e^{G_last} S0 + (e^{G_last - G} K)^T D.
     dk += eg_end[:, None] * dKd
     # D = U - W S0, W = T kb, U = T (beta V), T = (I + A)^-1: dA = -T^T (dW W^T + dU U^T).
@@ -529,7 +567,7 @@ def bwd_chunk_kernel(
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
     dk += (bc * eg)[:, None] * dkb
     dKK = dA * gamma_lower * bc[:, None]
-    dk += mm(dKK + tl.trans(dKK), k_in, DOT)  # KK = K K^T: both factors
+    dk += mm((dKK + tl.trans(dKK)) * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
     dbeta += eg * tl.sum(kc * dkb, axis=1) + tl.sum(dA * gamma_lower * KK, axis=1)
     # dg_u: every term whose decay factor spans token u (all such factors hold exp(g_u)).
     pairs = dP * P + dA * A  # exp(G_t - G_s): spans s < u <= t
@@ -542,8 +580,12 @@ def bwd_chunk_kernel(
     tail = tl.sum(kc * eg_end[:, None] * dKd, axis=1)  # e^{G_last - G_s}: s < u
     dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
     dg += x0 * tl.exp(g_last)  # e^{G_last} S0: every u
+    dq = dq * scale
+    if L2NORM:  # (linear in dq, dk: a group's value heads may still be summed after)
+        dq = _l2norm_grad(q_in, rq, dq)
+        dk = _l2norm_grad(k_in, rk, dk)
     out_k = buf_rows[:, None] * K + ck[None, :]
-    tl.store(dq_buf + out_k, (dq * scale).to(dq_buf.dtype.element_ty), mask=mtk)
+    tl.store(dq_buf + out_k, dq.to(dq_buf.dtype.element_ty), mask=mtk)
     tl.store(dk_buf + out_k, dk.to(dk_buf.dtype.element_ty), mask=mtk)
     tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
     tl.store(dg_buf + buf_rows, dg, mask=mt)
