@@ -6,9 +6,10 @@ distance to IEEE and split3's time per kernel.
     PYTHONPATH=src:tests python tools/gdr_modes_bench.py [--batch 4 --seq-len 4096]
 
 Inputs as bench/cases_gated_delta_rule.py makes them (raw q, k with use_qk_l2norm_in_kernel,
-fp32 g, bf16 beta). Rows "... no-l2norm" pass unit-norm bf16 q, k without the flag: every
-product of two inputs then runs on 16-bit tensor cores (with l2norm q, k reach the kernels in
-fp32, normalised there).
+fp32 g, bf16 beta). Rows "... no-l2norm" pass unit-norm bf16 q, k without the flag. Since the
+eighth session of 2026-11-26 the chunk kernels normalise q and k themselves (before, q and k
+reached them in fp32, normalised in torch, and their products ran split): the two rows should
+now be close.
 """
 
 from __future__ import annotations
