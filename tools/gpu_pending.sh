@@ -20,7 +20,9 @@
 #     call was 24.95 ms, 1544 MiB at B4 T4096 H16 D128 on an H200; unit q, k 18.08, 902).
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
-#     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it).
+#     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it);
+#     FSDP2=1 adds the compiled step under FSDP2 at 1 GPU (issue 16; ~4 more minutes: a call
+#     of its own if the first part ran long).
 set -u
 OUT=${OUT:-/tmp/fusetune-gpu-pending}
 mkdir -p "$OUT"
@@ -55,6 +57,10 @@ if [ "${1:-}" = compiled ]; then
   timeout 330 python3 -m fusetune bench e2e --shapes llama-3.2-1b --steps 20 --max-batch off \
     --variants hf+peft+fusetune,hf+peft+fusetune+compile --profile --out "$OUT/e2e" 2>&1 \
     | tee -a "$OUT/compiled.log"
+  [ -n "${FSDP2:-}" ] && timeout 300 python3 -m fusetune bench e2e --nproc 1 --engine fsdp2 \
+    --lora --shapes llama-3.2-1b --timeout 140 --out "$OUT/fsdp2-compiled" \
+    --variants hf-compiled,fusetune-shard-lora,fusetune-shard-lora-compiled 2>&1 \
+    | tee "$OUT/fsdp2-compiled.log" | tail -8  # (issue 16: compiled 53.1k vs eager 65.5k)
   echo "done in $SECONDS s"
   exit 0
 fi
