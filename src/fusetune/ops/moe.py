@@ -182,8 +182,9 @@ def _glu_forward_kernel(
 ):
     """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
     at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up).
-    INTERLEAVED: one accumulator over 2 BN adjacent gu columns (contiguous weight loads: a
-    stride-2 gather defeats vectorized / async loads), split into gate and up in registers."""
+    One accumulator over the BN (gate, up) pairs, split into gate and up in registers.
+    INTERLEAVED: the pairs are 2 BN adjacent gu columns (contiguous weight loads: a stride-2
+    gather defeats vectorized / async loads)."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
@@ -192,56 +193,42 @@ def _glu_forward_kernel(
     src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
     w_base = w_ptr + expert * w_se
     k_stop = tl.where(valid, hidden, 0)
-    if INTERLEAVED:
-        pair_cols = pid_n * 2 * BN + tl.arange(0, 2 * BN)
+    # One [BM, 2 BN] accumulator over (gate, up) column pairs: its column c is gate column
+    # j = pid_n BN + c // 2 for even c and that column's up for odd c, W's row
+    # j col_step + (c % 2) up_offset (interleaved: the 2 BN adjacent gu columns). One n = 2 BN
+    # tensor-core product a k-step, where two accumulators of BN took two n = BN ones.
+    c = tl.arange(0, 2 * BN)
+    pair_j = pid_n * BN + c // 2
+    if INTERLEAVED:  # (affine, mask too: Triton sees contiguous columns and vectorizes)
+        pair_cols = pid_n * 2 * BN + c
         pair_mask = pair_cols < 2 * inter
-        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-        for k0 in range(0, k_stop, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_mask = ks < hidden
-            a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
-            w = _w_tile(w_base, ks, k_mask, pair_cols, pair_mask, w_sk, w_sn)
-            acc = _mm(a, w, acc, IEEE, UPCAST)
-        if LORA:
-            acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se,
-                            lb_sn, lb_sr, pair_cols, pair_mask, rank, scaling, R, IEEE, UPCAST)
-        if BIAS:
-            bias = tl.load(bias_ptr + expert * bias_stride + pair_cols, mask=pair_mask, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        pair = acc.to(gu_ptr.dtype.element_ty)
+    else:
+        pair_cols = pair_j * col_step + (c % 2) * up_offset
+        pair_mask = pair_j < inter
+    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+    for k0 in range(0, k_stop, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < hidden
+        a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
+        w = _w_tile(w_base, ks, k_mask, pair_cols, pair_mask, w_sk, w_sn)
+        acc = _mm(a, w, acc, IEEE, UPCAST)
+    if LORA:
+        acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se,
+                        lb_sn, lb_sr, pair_cols, pair_mask, rank, scaling, R, IEEE, UPCAST)
+    if BIAS:
+        bias = tl.load(bias_ptr + expert * bias_stride + pair_cols, mask=pair_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    pair = acc.to(gu_ptr.dtype.element_ty)
+    if INTERLEAVED:  # (one contiguous store)
         tl.store(gu_ptr + gu_rows + pair_cols[None, :], pair,
                  mask=row_mask[:, None] & pair_mask[None, :])
-        gate, up = _split_pairs(pair.to(tl.float32), BM, BN)
-    else:
+    gate, up = _split_pairs(pair.to(tl.float32), BM, BN)
+    if not INTERLEAVED:  # (gate and up each a contiguous store)
         gate_cols = cols * col_step
-        up_cols = gate_cols + up_offset
-        acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, k_stop, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_mask = ks < hidden
-            a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
-            w = _w_tile(w_base, ks, k_mask, gate_cols, col_mask, w_sk, w_sn)
-            acc_gate = _mm(a, w, acc_gate, IEEE, UPCAST)
-            w = _w_tile(w_base, ks, k_mask, up_cols, col_mask, w_sk, w_sn)
-            acc_up = _mm(a, w, acc_up, IEEE, UPCAST)
-        if LORA:
-            lb_base = lb_ptr + expert * lb_se
-            acc_gate = _lora_add(acc_gate, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn,
-                                 lb_sr, gate_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
-            acc_up = _lora_add(acc_up, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr,
-                               up_cols, col_mask, rank, scaling, R, IEEE, UPCAST)
-        if BIAS:
-            bias_base = bias_ptr + expert * bias_stride
-            acc_gate += tl.load(bias_base + gate_cols, mask=col_mask,
-                                other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_base + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        gate = acc_gate.to(gu_ptr.dtype.element_ty)
-        up = acc_up.to(gu_ptr.dtype.element_ty)
-        tl.store(gu_ptr + gu_rows + gate_cols[None, :], gate, mask=mask)
-        tl.store(gu_ptr + gu_rows + up_cols[None, :], up, mask=mask)
-        gate = gate.to(tl.float32)
-        up = up.to(tl.float32)
+        tl.store(gu_ptr + gu_rows + gate_cols[None, :], gate.to(gu_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(gu_ptr + gu_rows + (gate_cols + up_offset)[None, :],
+                 up.to(gu_ptr.dtype.element_ty), mask=mask)
     h, _, _ = _glu(gate, up, ACT, alpha, limit)
     offsets = rows.to(tl.int64)[:, None] * h_stride + cols[None, :]
     tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
