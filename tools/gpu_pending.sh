@@ -18,6 +18,9 @@
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~9 minutes): the Gated DeltaNet GPU tests
 #     with q, k normalised inside the chunk kernels, then tools/gdr_modes_bench.py (the l2norm
 #     call was 24.95 ms, 1544 MiB at B4 T4096 H16 D128 on an H200; unit q, k 18.08, 902).
+#   bash tools/gpu_pending.sh moe       1 GPU, carry .peers (~8 minutes): the MoE tests and bench
+#     moe with the gate/up kernel's single (gate, up) accumulator (was 5.97 ms, 27 % of the
+#     floor, Qwen3-30B-A3B with LoRA); then tools/tune_moe.py in a call of its own.
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it);
@@ -47,6 +50,15 @@ if [ "${1:-}" = gdr ]; then  # the l2norm folded into the chunk kernels: GPU tes
   timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_gated_delta_rule.py \
     2>&1 | tail -15 | tee "$OUT/gdr-tests.log"
   timeout 200 python3 tools/gdr_modes_bench.py 2>&1 | tee "$OUT/gdr-modes.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = moe ]; then  # the gate/up kernel's single accumulator (n128 products)
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:tests:/tmp/site
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe.py 2>&1 \
+    | tail -4 | tee "$OUT/moe-tests.log"
+  timeout 330 python3 -m fusetune bench moe --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
   echo "done in $SECONDS s"
   exit 0
 fi
