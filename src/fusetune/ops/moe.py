@@ -89,6 +89,23 @@ def _w_tile(base, ks, k_mask, cols, col_mask, stride_k, stride_n):
 
 
 @triton.jit
+def _gathered_mm(a_ptr, src, row_mask, a_stride, w_base, cols, col_mask, w_sk, w_sn, k_in, valid,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """fp32 [BM, BN] a[src] @ w[cols]^T over k_in (w one expert's [n, k], any strides), BK at a
+    step: the main loop of every grouped GEMM here. An empty tile (not ``valid``) skips it."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_stop = tl.where(valid, k_in, 0)
+    for k0 in range(0, k_stop, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < k_in
+        a = _rows_tile(a_ptr, src, row_mask, a_stride, ks, k_mask)
+        w = _w_tile(w_base, ks, k_mask, cols, col_mask, w_sk, w_sn)
+        acc = _mm(a, w, acc, IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
 def _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr, cols, col_mask,
               rank, scaling, R: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + scaling * xa[rows] @ lb[cols]^T (xa [S, rank], lb one expert's [n, rank])."""
@@ -145,15 +162,8 @@ def _grouped_mm_kernel(
     src = rows
     if GATHER:
         src = tl.load(a_rows_ptr + rows, mask=row_mask, other=0)
-    w_base = w_ptr + expert * w_se
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_stop = tl.where(valid, k_in, 0)  # an empty tile skips its whole loop
-    for k0 in range(0, k_stop, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_mask = ks < k_in
-        a = _rows_tile(a_ptr, src, row_mask, a_stride, ks, k_mask)
-        w = _w_tile(w_base, ks, k_mask, cols, col_mask, w_sk, w_sn)
-        acc = _mm(a, w, acc, IEEE, UPCAST)
+    acc = _gathered_mm(a_ptr, src, row_mask, a_stride, w_ptr + expert * w_se, cols, col_mask,
+                       w_sk, w_sn, k_in, valid, BM, BN, BK, IEEE, UPCAST)
     if LORA:
         acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se, lb_sn,
                         lb_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
@@ -191,8 +201,6 @@ def _glu_forward_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     gu_rows = rows.to(tl.int64)[:, None] * gu_stride
     src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
-    w_base = w_ptr + expert * w_se
-    k_stop = tl.where(valid, hidden, 0)
     # One [BM, 2 BN] accumulator over (gate, up) column pairs: its column c is gate column
     # j = pid_n BN + c // 2 for even c and that column's up for odd c, W's row
     # j col_step + (c % 2) up_offset (interleaved: the 2 BN adjacent gu columns). One n = 2 BN
@@ -205,13 +213,8 @@ def _glu_forward_kernel(
     else:
         pair_cols = pair_j * col_step + (c % 2) * up_offset
         pair_mask = pair_j < inter
-    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-    for k0 in range(0, k_stop, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_mask = ks < hidden
-        a = _rows_tile(x_ptr, src, row_mask, x_stride, ks, k_mask)
-        w = _w_tile(w_base, ks, k_mask, pair_cols, pair_mask, w_sk, w_sn)
-        acc = _mm(a, w, acc, IEEE, UPCAST)
+    acc = _gathered_mm(x_ptr, src, row_mask, x_stride, w_ptr + expert * w_se, pair_cols,
+                       pair_mask, w_sk, w_sn, hidden, valid, BM, 2 * BN, BK, IEEE, UPCAST)
     if LORA:
         acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se,
                         lb_sn, lb_sr, pair_cols, pair_mask, rank, scaling, R, IEEE, UPCAST)
@@ -251,15 +254,8 @@ def _glu_backward_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
-    w_base = w_ptr + expert * w_se
-    g = tl.zeros((BM, BN), dtype=tl.float32)
-    k_stop = tl.where(valid, hidden, 0)
-    for k0 in range(0, k_stop, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_mask = ks < hidden
-        a = _rows_tile(dout_ptr, src, row_mask, dout_stride, ks, k_mask)
-        w = _w_tile(w_base, ks, k_mask, cols, col_mask, w_sk, w_sn)
-        g = _mm(a, w, g, IEEE, UPCAST)
+    g = _gathered_mm(dout_ptr, src, row_mask, dout_stride, w_ptr + expert * w_se, cols, col_mask,
+                     w_sk, w_sn, hidden, valid, BM, BN, BK, IEEE, UPCAST)
     if LORA:
         g = _lora_add(g, gd_ptr, gd_stride, rows, row_mask, la_ptr + expert * la_se, la_sn,
                       la_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
