@@ -14,6 +14,19 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+
+def _share_cpu_threads() -> None:
+    """Under pytest-xdist each worker takes the cores / workers share of torch's intra-op threads:
+    with every worker at torch's default (all cores) the float64 references thrash (on a 16-core
+    GPU host, 14 workers left Gated DeltaNet's T = 1000 references unfinished after 8 minutes;
+    each takes 13 s on one core)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_cpu_threads()
+
 import fusetune  # noqa: E402
 from fusetune import _utils  # noqa: E402
 from harness import DEVICE  # noqa: E402
