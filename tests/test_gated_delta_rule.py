@@ -266,12 +266,13 @@ def test_fp32_gates_beside_bf16_inputs():
 
 
 # ----------------------------------------------------------------------------- split products
-# FUSETUNE_GDR_DOT: tensor-core products by default (split3: 16-bit inputs as they are, fp32
-# operands split into two tf32 halves, gdr_chunk.mm); ieee runs IEEE fp32 FMA, kept as a second
-# path to check against. The tests below run the mode the rest of the file does not (ieee) on the
-# small shapes, and the split helpers themselves. Triton's own "tf32x3" lowering and 16-wide
-# tensor-core tiles faulted (illegal memory access) under Triton 3.6 on these small shapes: they
-# run here on the CPU and again, compiled, in the GPU pass.
+# FUSETUNE_GDR_DOT: tensor-core products by default (split3 for fp32 and fp16: 16-bit inputs as
+# they are, fp32 operands split into two tf32 halves, gdr_chunk.mm; tf32 for bf16); ieee runs
+# IEEE fp32 FMA, kept as a second path to check against. The tests below run the mode the rest
+# of the file does not (ieee) on the small shapes, and the split helpers themselves. Triton's
+# own "tf32x3" lowering and 16-wide tensor-core tiles faulted (illegal memory access) under
+# Triton 3.6 on these small shapes: they run here on the CPU and again, compiled, in the GPU
+# pass.
 OTHER_MODES = ["ieee"]
 
 
@@ -344,14 +345,17 @@ def test_split_products(dtypes):
 
 
 def test_dot_mode_names(monkeypatch):
+    """By default bf16 inputs take tf32 products, fp16 and fp32 split3; the variable forces one."""
     monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
-    assert gdr_chunk.dot_mode() == 3
+    modes = {dtype: gdr_chunk.dot_mode(dtype) for dtype in (torch.float32, torch.float16)}
+    assert modes == {torch.float32: 3, torch.float16: 3}
+    assert gdr_chunk.dot_mode(torch.bfloat16) == 4
     monkeypatch.setenv("FUSETUNE_GDR_DOT", "ieee")
-    assert gdr_chunk.dot_mode() == 2
+    assert gdr_chunk.dot_mode(torch.bfloat16) == 2
     for refused in ("tf32x3", "bf16x6"):
         monkeypatch.setenv("FUSETUNE_GDR_DOT", refused)
-        with pytest.raises(ValueError, match=rf"one of \('ieee', 'split3'\), got '{refused}'"):
-            gdr_chunk.dot_mode()
+        with pytest.raises(ValueError, match=rf"'ieee', 'split3', 'tf32'\), got '{refused}'"):
+            gdr_chunk.dot_mode(torch.float32)
 
 
 SPLIT_CASES = {
@@ -390,17 +394,23 @@ def test_other_mode_varlen(monkeypatch, mode):
     check_packed(inputs, offsets, torch.bfloat16, torch.int32)
 
 
+# tf32 products are bf16's mode: fp32 inputs through them would miss fp32's 5e-5 (2e-3 on o).
+MODE_DTYPES = {"ieee": torch.float32, "split3": torch.float32, "tf32": torch.bfloat16}
+
+
 @pytest.mark.parametrize("mode", list(gdr_chunk.DOT_MODES))
 def test_chunks_of_64_extreme_gates(monkeypatch, mode):
-    """Both product modes with 64-token chunks (the blocked inverse's N^2, N^3 terms through them)
-    and gates of -5000, -1e4 and -inf: exact in fp32, dg included."""
+    """Every product mode with 64-token chunks (the blocked inverse's N^2, N^3 terms through
+    them) and gates of -5000, -1e4 and -inf: within its dtype's tolerance (fp32 for the exact
+    modes, bf16 for tf32), dg included."""
     monkeypatch.setenv("FUSETUNE_GDR_DOT", mode)
     monkeypatch.setattr(gdr_chunk, "INTERPRET_CHUNK", 64)
     inputs = make_inputs(batch=1, seq_len=70, unit_keys=False)
     inputs["g"][:, 2] = -5000.0
     inputs["g"][:, 40, 0] = -1e4
     inputs["g"][:, 50, 1] = -float("inf")
-    result = run_check(inputs, torch.float32, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
+    fixed = dict(use_qk_l2norm_in_kernel=True)
+    result = run_check(inputs, MODE_DTYPES[mode], "chunk", fixed=fixed)
     assert all(torch.isfinite(x).all() for x in result.grads.values())
 
 

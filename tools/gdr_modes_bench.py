@@ -93,8 +93,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--split3-only", metavar="SAVE", help="time split3 (l2norm) alone and save its output "
+        "--split3-only",
+        metavar="SAVE",
+        help="time split3 (l2norm) alone and save its output "
         "and gradients to SAVE (a .pt), to compare two source trees run one after the other",
+    )
+    parser.add_argument(
+        "--modes",
+        metavar="A,B",
+        help="time these FUSETUNE_GDR_DOT modes alone (l2norm), print "
+        "each one's gaps to the first and the last one's GPU time per kernel (e.g. split3,tf32)",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -107,6 +115,9 @@ def main() -> None:
     unit_leaves = unit + leaves[2:]
     if args.split3_only:
         split3_only(ours(leaves, "split3", True), leaves, grad_out, args)
+        return
+    if args.modes:
+        compare_modes(args.modes.split(","), leaves, grad_out, args)
         return
     # The torch loop and the IEEE baseline first: a CUDA fault in split3 ends the process.
     providers = {"fusetune ieee": (ours(leaves, "ieee", True), leaves)}
@@ -158,6 +169,24 @@ def split3_only(forward, leaves, grad_out, args) -> None:
         f"fwd {timed(fwd_only, args.repeats):.2f} ms; peak {peak_mib(fwd_bwd):.0f} MiB"
     )
     torch.save([t.cpu() for t in results(forward, leaves, grad_out)], args.split3_only)
+    profile(forward, leaves, grad_out)
+
+
+def compare_modes(modes: list[str], leaves, grad_out, args) -> None:
+    first = None
+    for mode in modes:
+        forward = ours(leaves, mode, True)
+        fwd_bwd, fwd_only = make_run(forward, leaves, grad_out)
+        times = [timed(fwd_bwd, args.repeats) for _ in range(3)]
+        got = results(forward, leaves, grad_out)
+        first = first or got
+        print(
+            f"{mode} l2norm B{args.batch} T{args.seq_len}: fwd+bwd ms min/median/max of 3 "
+            f"medians {min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}; fwd "
+            f"{timed(fwd_only, args.repeats):.2f} ms; peak {peak_mib(fwd_bwd):.0f} MiB; "
+            f"gaps to {modes[0]}: {relative_gap(got, first)}",
+            flush=True,
+        )
     profile(forward, leaves, grad_out)
 
 

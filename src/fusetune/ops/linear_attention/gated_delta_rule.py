@@ -101,7 +101,7 @@ class _ChunkRun:
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         self.h_buf = _utils.empty(self.state_shape, f32, device)  # chunk start states
-        dot = gdr_chunk.dot_mode()
+        dot = gdr_chunk.dot_mode(v.dtype)
         smallest = gdr_chunk.min_block(dot)
         if self.bt < smallest and not _utils.INTERPRET:
             raise ValueError("FUSETUNE_GDR_CHUNK=16 needs FUSETUNE_GDR_DOT=ieee: tensor-core "
@@ -110,10 +110,9 @@ class _ChunkRun:
         self.bk = max(smallest, plan.BK)
         self.bva = max(smallest, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(smallest, plan.BV)
-        # fp32-exact products whatever the input dtype: tf32 alone (fp16's 10-bit mantissa) on
-        # the products that feed the states and dg is what cost GSA's chunk mode 1.5e-2 on dg
-        # in fp16 (issue 20, item 4). Tensor cores at about fp32's accuracy by default
-        # (gdr_chunk.mm's split3); FUSETUNE_GDR_DOT=ieee runs IEEE FMA.
+        # Products by input dtype (gdr_chunk.dot_mode): about fp32's accuracy for fp32 and fp16
+        # (tf32 alone on what feeds the states and dg cost GSA's chunk mode 1.5e-2 on dg in
+        # fp16: issue 20, item 4), tf32 for bf16; FUSETUNE_GDR_DOT forces one.
         self.common = dict(GROUP=plan.group, K=plan.key_dim, BT=self.bt, BK=self.bk,
                            VARLEN=plan.varlen, DOT=dot, L2NORM=l2norm, num_warps=4,
                            num_stages=1)  # shared memory: see gdr_chunk's SHARED MEMORY

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from fusetune._triton import INTERPRET, tl, triton
 from fusetune._utils import next_power_of_2
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
@@ -56,6 +58,9 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #     split3 l2norm (bf16 q, k normalised in the kernels; Triton 3.6 with the launch's hints)
 #                           98304   49152   65536   98304    163840 (fp32 q, k before: 98304,
 #                                                   98304, 65536, 114688, 196608)
+#     tf32 l2norm (bf16's default since the ninth session of 2026-11-26; one tf32 product per
+#     fp32 operand pairing)
+#                           49152   65536   98304   114688   229376 (BVA 32)
 #   K = V = 256, BT 32
 #     ieee fp32             32768   71680   139264  75904    102528
 #     split3 fp32 / l2norm  65536   34816   65536   81920    98304
@@ -92,18 +97,28 @@ def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
     return max(min(max(16, next_power_of_2(value_dim)), cap), min_block(dot))
 
 
-DOT_MODES = {"ieee": 2, "split3": 3}
+DOT_MODES = {"ieee": 2, "split3": 3, "tf32": 4}
 
 
-def dot_mode() -> int:
-    """The products' precision: tensor cores through ``mm``'s splits (3, the default:
-    ``FUSETUNE_GDR_DOT=split3``; fp32 operands as two tf32 halves, 16-bit inputs as they are) or
-    IEEE fp32 FMA (2: ``ieee``; 12x slower at Qwen3.5's sizes, kept as the second oracle).
-    Triton's own input_precision="tf32x3" is not used: under Triton 3.6 it faulted on small
-    shapes (see min_block), and a bf16x6 mode faulted at K = 128."""
-    mode = os.environ.get("FUSETUNE_GDR_DOT", "split3")
+def dot_mode(dtype: torch.dtype) -> int:
+    """The products' precision for inputs of ``dtype`` (q's): tensor cores throughout, with
+    fp32 operands at about fp32's accuracy through ``mm``'s splits for fp32 and fp16 inputs
+    (3: split3; fp32 operands as two tf32 halves, 16-bit inputs as they are) and rounded once
+    to tf32 for bf16 inputs (4: tf32), as GSA does: tf32's rounding (2^-11) is 4x finer than
+    bf16's own (2^-8), while fp16's 11-bit mantissa is finer than tf32's (tf32 there cost GSA
+    1.5e-2 on dg). The gate sums and dg's span sums stay split in every tensor-core mode
+    (``mm_exact``): exp and dg's cancellations amplify their rounding.
+    ``FUSETUNE_GDR_DOT=ieee|split3|tf32`` forces one mode for every dtype (ieee: IEEE fp32 FMA,
+    12x slower at Qwen3.5's sizes, kept as the second oracle). Triton's own
+    input_precision="tf32x3" is not used: under Triton 3.6 it faulted on small shapes (see
+    min_block), and a bf16x6 mode faulted at K = 128."""
+    mode = os.environ.get("FUSETUNE_GDR_DOT", "auto")
+    if mode == "auto":
+        mode = "tf32" if dtype == torch.bfloat16 else "split3"
     if mode not in DOT_MODES:
-        raise ValueError(f"FUSETUNE_GDR_DOT must be one of {tuple(DOT_MODES)}, got {mode!r}")
+        raise ValueError(
+            f"FUSETUNE_GDR_DOT must be 'auto' or one of {tuple(DOT_MODES)}, got {mode!r}"
+        )
     return DOT_MODES[mode]
 
 
@@ -185,8 +200,21 @@ def _mm_split(a, b):
 
 @triton.jit
 def mm(a, b, DOT: tl.constexpr):
-    """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``) or IEEE fp32 FMA (2). Operands are
-    fp32 tiles or input tiles in their own dtype (fp32, fp16, bf16)."""
+    """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``; 4: fp32 operands rounded to tf32)
+    or IEEE fp32 FMA (2). Operands are fp32 tiles or input tiles in their own dtype (fp32, fp16,
+    bf16); two 16-bit input tiles always take one 16-bit product."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT == 4 and (a.dtype == tl.float32 or b.dtype == tl.float32):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    else:
+        return _mm_split(a, b)
+
+
+@triton.jit
+def mm_exact(a, b, DOT: tl.constexpr):
+    """``mm`` at about fp32's accuracy in every tensor-core mode (split3 for tf32): for the sums
+    of gates that exp turns into decays and dg's span sums, which cancel."""
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
@@ -222,7 +250,7 @@ def _decays(g, r, LOWER: tl.constexpr, DOT: tl.constexpr):
     1e-4 relative error of the decay."""
     upto = tl.where(r[None, :] <= r[:, None], g[None, :], 0.0)  # [t, u]: g_u for u <= t
     after = tl.where(r[:, None] > r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [u, s]: u > s
-    span = mm(upto, after, DOT)  # [t, s]: sum over s < u <= t (0 / 1 in bf16: exact, 2 dots)
+    span = mm_exact(upto, after, DOT)  # [t, s]: sum over s < u <= t (0 / 1 in bf16: 2 dots)
     if LOWER:
         keep = r[:, None] > r[None, :]
     else:
@@ -573,7 +601,7 @@ def bwd_chunk_kernel(
     pairs = dP * P + dA * A  # exp(G_t - G_s): spans s < u <= t
     pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
     before = tl.where(r[:, None] < r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [s, u]: s < u
-    spans = mm(pairs, before, DOT)  # [t, u]: sum over s < u
+    spans = mm_exact(pairs, before, DOT)  # [t, u]: sum over s < u
     dg = tl.sum(tl.where(r[:, None] >= r[None, :], spans, 0.0), axis=0)
     own = tl.sum(qc * eg[:, None] * dQe, axis=1) + tl.sum(kb * dkb, axis=1)  # e^{G_t}: t >= u
     dg += tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
