@@ -63,15 +63,16 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     state_bv = 32 if dim <= 128 else 16  # gdr_recurrent.block_v
     bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
     base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
+    per_chunk = 4 if mode == "tf32" else 8  # the launcher's warps for wy and output
     jobs = [
-        ("wy_kernel", gdr_chunk.wy_kernel, base, 8),
+        ("wy_kernel", gdr_chunk.wy_kernel, base, per_chunk),
         (
             "states_kernel",
             gdr_chunk.states_kernel,
             dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True),
             4,
         ),
-        ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), 8),
+        ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), per_chunk),
         ("dstates_kernel", gdr_chunk.dstates_kernel, dict(base, BV=state_bv, HAS_DHT=True), 4),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), 8),
     ]

@@ -15,12 +15,11 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~9 minutes): the Gated DeltaNet GPU tests
-#     with q, k normalised inside the chunk kernels, then tools/gdr_modes_bench.py (the l2norm
-#     call was 24.95 ms, 1544 MiB at B4 T4096 H16 D128 on an H200; unit q, k 18.08, 902).
-#   bash tools/gpu_pending.sh moe       1 GPU, carry .peers (~8 minutes): the MoE tests and bench
-#     moe with the gate/up kernel's single (gate, up) accumulator (was 5.97 ms, 27 % of the
-#     floor, Qwen3-30B-A3B with LoRA); then tools/tune_moe.py in a call of its own.
+#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~5 minutes): the Gated DeltaNet GPU tests
+#     with wy_kernel and output_kernel at 4 warps in tf32 mode (bf16's default since the ninth
+#     session; timed through tools/gdr_launch_sweep.py's override, 13.28 -> 12.33 ms, but the
+#     tests ran at 8), then the tf32 time and per-kernel profile (tools/gdr_modes_bench.py).
+#   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it);
@@ -45,11 +44,11 @@ if [ "${1:-}" = long ]; then
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = gdr ]; then  # the l2norm folded into the chunk kernels: GPU tests, then times
-  export PYTHONPATH=src:tests
-  timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_gated_delta_rule.py \
+if [ "${1:-}" = gdr ]; then  # tf32 products with wy / output at 4 warps: GPU tests, then times
+  export PYTHONPATH=src:tests:tools
+  timeout 75 python3 tools/gdr_modes_bench.py --modes tf32 2>&1 | tee "$OUT/gdr-tf32.log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
     2>&1 | tail -15 | tee "$OUT/gdr-tests.log"
-  timeout 200 python3 tools/gdr_modes_bench.py 2>&1 | tee "$OUT/gdr-modes.log"
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -117,8 +117,12 @@ class _ChunkRun:
                            VARLEN=plan.varlen, DOT=dot, L2NORM=l2norm, num_warps=4,
                            num_stages=1)  # shared memory: see gdr_chunk's SHARED MEMORY
         # The per-chunk kernels hold many [BT, K] and [BT, V] tiles: more warps, fewer
-        # registers a thread.
+        # registers a thread. With tf32 products wy and output run faster at 4 (H100, B4 T4096
+        # H16 D128 bf16 fwd+bwd 13.28 -> 12.33 ms: tools/gdr_launch_sweep.py); bwd_chunk at 4
+        # was slower (14.08).
         self.wide = dict(self.common, num_warps=8)
+        tf32 = dot == gdr_chunk.DOT_MODES["tf32"]
+        self.per_chunk = self.common if tf32 else self.wide  # wy_kernel, output_kernel
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
 
@@ -126,7 +130,7 @@ class _ChunkRun:
         """(I + A)^-1 and g per chunk, then every chunk's start state and writes D (and hT)."""
         gdr_chunk.wy_kernel[self.chunk_grid](
             k, g, beta, self.gc_buf, self.t_buf, cu_arg, *bth_strides(k), *g.stride(),
-            *beta.stride(), plan.seq_len, plan.value_heads, **self.wide,
+            *beta.stride(), plan.seq_len, plan.value_heads, **self.per_chunk,
         )
         gdr_chunk.states_kernel[self.column_grid](
             k, v, beta, self.gc_buf, self.t_buf, self.d_buf, self.h_buf,
@@ -152,7 +156,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
     gdr_chunk.output_kernel[(*run.chunk_grid, _utils.cdiv(plan.value_dim, out_block))](
         q, k, run.gc_buf, run.d_buf, run.h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
         *bth_strides(o), scale, plan.seq_len, plan.value_heads, V=plan.value_dim,
-        BVA=out_block, **run.wide,
+        BVA=out_block, **run.per_chunk,
     )
     return o, hT
 

@@ -1,0 +1,77 @@
+"""Gated DeltaNet chunk kernels: fwd+bwd time under other launch settings (num_stages,
+num_warps per kernel), at the bench's Qwen3.5-like shape (B4 T4096 H16 D128, bf16, l2norm, the
+default product mode). Each variant overrides the launcher's keywords of the kernels it names
+(the launcher looks the kernels up in gdr_chunk at every call), so no source changes.
+
+    PYTHONPATH=src:tests:tools python tools/gdr_launch_sweep.py [--batch 4 --seq-len 4096]
+
+The launcher runs every kernel at num_stages=1 (gdr_chunk's SHARED MEMORY): the sequential
+kernels' loads of the next chunk (k, v, T, gates) do not depend on the state, so a second stage
+could prefetch them while the state products run, at the cost of shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
+
+from fusetune.bench.cases_gated_delta_rule import _inputs
+from fusetune.ops.linear_attention import gdr_chunk
+
+VARIANTS = {
+    "launcher's settings": {},
+    "states stages 2": {"states_kernel": dict(num_stages=2)},
+    "dstates stages 2": {"dstates_kernel": dict(num_stages=2)},
+    "states, dstates stages 2": {
+        "states_kernel": dict(num_stages=2),
+        "dstates_kernel": dict(num_stages=2),
+    },
+    "states 8 warps": {"states_kernel": dict(num_warps=8)},
+    "dstates 8 warps": {"dstates_kernel": dict(num_warps=8)},
+    "bwd_chunk 4 warps": {"bwd_chunk_kernel": dict(num_warps=4)},
+    "wy, output 4 warps": {"wy_kernel": dict(num_warps=4), "output_kernel": dict(num_warps=4)},
+}
+
+
+class Override:
+    """``kernel[grid](...)`` with some launch keywords replaced."""
+
+    def __init__(self, kernel, **launch) -> None:
+        self.kernel, self.launch = kernel, launch
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+        return lambda *args, **kwargs: run(*args, **{**kwargs, **self.launch})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shape = (args.batch, args.seq_len, HEADS, DIM)
+    leaves = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
+    grad_out = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    originals = {name: getattr(gdr_chunk, name) for name in vars(gdr_chunk) if "kernel" in name}
+    print(f"B{args.batch} T{args.seq_len} H{HEADS} D{DIM} bf16 l2norm, median of {args.repeats}")
+    for label, overrides in VARIANTS.items():
+        for name, kernel in originals.items():
+            setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
+        fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
+        try:
+            both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
+            fwd = timed(fwd_only, args.repeats)
+        except Exception as error:  # noqa: BLE001 (out of resources: report, go on)
+            print(f"{label:28s} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
+            continue
+        print(f"{label:28s} fwd+bwd {min(both):7.2f} ms  fwd {fwd:6.2f} ms", flush=True)
+    for name, kernel in originals.items():
+        setattr(gdr_chunk, name, kernel)
+
+
+if __name__ == "__main__":
+    main()
