@@ -363,7 +363,9 @@ def gated_delta_rule(
     Returns:
         (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
         Under torch.autocast q, k and v are cast to the autocast dtype first; gradients come
-        back in each input's own dtype. Arithmetic and carried states are fp32 throughout.
+        back in each input's own dtype. Accumulation and carried states are fp32 throughout;
+        chunk mode's products with a computed fp32 operand run on tensor cores at about fp32's
+        accuracy for fp32 and fp16 inputs, and rounded to tf32 (4x finer than bf16) for bf16.
 
     Raises:
         TypeError: a non-tensor or non-floating input; q, k, v of different dtypes; non-bool
