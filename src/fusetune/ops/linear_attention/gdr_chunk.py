@@ -58,7 +58,7 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #     split3 l2norm (bf16 q, k normalised in the kernels; Triton 3.6 with the launch's hints)
 #                           98304   49152   65536   98304    163840 (fp32 q, k before: 98304,
 #                                                   98304, 65536, 114688, 196608)
-#     tf32 l2norm (bf16's default since the ninth session of 2026-11-26; one tf32 product per
+#     tf32 l2norm (bf16's default since the session of 2026-11-27; one tf32 product per
 #     fp32 operand pairing)
 #                           49152   65536   98304   114688   229376 (BVA 32)
 #   K = V = 256, BT 32
