@@ -345,11 +345,14 @@ def test_split_products(dtypes):
 
 
 def test_dot_mode_names(monkeypatch):
-    """By default bf16 inputs take tf32 products, fp16 and fp32 split3; the variable forces one."""
+    """By default bf16 inputs take tf32 products where the GPU holds their tiles, fp16 and fp32
+    split3; the variable forces one."""
     monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
     modes = {dtype: gdr_chunk.dot_mode(dtype) for dtype in (torch.float32, torch.float16)}
     assert modes == {torch.float32: 3, torch.float16: 3}
     assert gdr_chunk.dot_mode(torch.bfloat16) == 4
+    assert gdr_chunk.dot_mode(torch.bfloat16, 232448) == 4  # H100, H200
+    assert gdr_chunk.dot_mode(torch.bfloat16, 166912) == 3  # A100: tf32's tiles do not fit
     monkeypatch.setenv("FUSETUNE_GDR_DOT", "ieee")
     assert gdr_chunk.dot_mode(torch.bfloat16) == 2
     for refused in ("tf32x3", "bf16x6"):

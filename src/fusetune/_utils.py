@@ -36,6 +36,21 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _shared_memory_optin(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def shared_memory_per_block(device: torch.device) -> int | None:
+    """The most shared memory one block may take on a CUDA ``device`` (bytes, opt-in: H100 232448,
+    A100 166912); None elsewhere (the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    return _shared_memory_optin(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
 def num_programs_in_flight(device: torch.device) -> int:
     """Streaming multiprocessors on ``device`` (a small fixed number under the interpreter, so
     that CPU tests exercise the same launch-shape decisions as a GPU does on larger inputs)."""

@@ -101,7 +101,7 @@ class _ChunkRun:
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         self.h_buf = _utils.empty(self.state_shape, f32, device)  # chunk start states
-        dot = gdr_chunk.dot_mode(v.dtype)
+        dot = gdr_chunk.dot_mode(v.dtype, _utils.shared_memory_per_block(device))
         smallest = gdr_chunk.min_block(dot)
         if self.bt < smallest and not _utils.INTERPRET:
             raise ValueError("FUSETUNE_GDR_CHUNK=16 needs FUSETUNE_GDR_DOT=ieee: tensor-core "

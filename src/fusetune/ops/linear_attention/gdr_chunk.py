@@ -100,21 +100,28 @@ def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
 DOT_MODES = {"ieee": 2, "split3": 3, "tf32": 4}
 
 
-def dot_mode(dtype: torch.dtype) -> int:
-    """The products' precision for inputs of ``dtype`` (q's): tensor cores throughout, with
+# bwd_chunk_kernel's shared memory with tf32 products at K = V = 128 (SHARED MEMORY above):
+# GPUs with less a block (A100: 166912) keep split3 (163840) for bf16.
+TF32_SHARED_MEMORY = 229376
+
+
+def dot_mode(dtype: torch.dtype, shared_memory: int | None = None) -> int:
+    """The products' precision for inputs of ``dtype`` (q's) on a GPU whose blocks may take
+    ``shared_memory`` bytes (None: no limit, the interpreter): tensor cores throughout, with
     fp32 operands at about fp32's accuracy through ``mm``'s splits for fp32 and fp16 inputs
     (3: split3; fp32 operands as two tf32 halves, 16-bit inputs as they are) and rounded once
-    to tf32 for bf16 inputs (4: tf32), as GSA does: tf32's rounding (2^-11) is 4x finer than
-    bf16's own (2^-8), while fp16's 11-bit mantissa is finer than tf32's (tf32 there cost GSA
-    1.5e-2 on dg). The gate sums and dg's span sums stay split in every tensor-core mode
-    (``mm_exact``): exp and dg's cancellations amplify their rounding.
+    to tf32 for bf16 inputs (4: tf32) where the GPU holds its tiles, as GSA does: tf32's
+    rounding (2^-11) is 4x finer than bf16's own (2^-8), while fp16's 11-bit mantissa is finer
+    than tf32's (tf32 there cost GSA 1.5e-2 on dg). The gate sums and dg's span sums stay split
+    in every tensor-core mode (``mm_exact``): exp and dg's cancellations amplify their rounding.
     ``FUSETUNE_GDR_DOT=ieee|split3|tf32`` forces one mode for every dtype (ieee: IEEE fp32 FMA,
     12x slower at Qwen3.5's sizes, kept as the second oracle). Triton's own
     input_precision="tf32x3" is not used: under Triton 3.6 it faulted on small shapes (see
     min_block), and a bf16x6 mode faulted at K = 128."""
     mode = os.environ.get("FUSETUNE_GDR_DOT", "auto")
     if mode == "auto":
-        mode = "tf32" if dtype == torch.bfloat16 else "split3"
+        holds_tf32 = shared_memory is None or shared_memory >= TF32_SHARED_MEMORY
+        mode = "tf32" if dtype == torch.bfloat16 and holds_tf32 else "split3"
     if mode not in DOT_MODES:
         raise ValueError(
             f"FUSETUNE_GDR_DOT must be 'auto' or one of {tuple(DOT_MODES)}, got {mode!r}"
