@@ -344,6 +344,32 @@ def test_split_products(dtypes):
     assert ((c.cpu().double() - want).abs() <= bound).all()
 
 
+def test_tf32_products():
+    """gdr_chunk.mm in tf32 mode (bf16's default): an fp32 operand is read as tf32, within 2^-9
+    of |a| |b| (truncation of both operands: 2^-10 each) and not fp32-exact, on the GPU's
+    tensor cores and in the interpreter, which drops the low bits itself (EMULATE_TF32) so that
+    the CPU tests see this mode's rounding; two bf16 tiles keep their exact product."""
+    torch.manual_seed(2)
+    n = 32
+    a = torch.randn(n, n) * torch.exp2(torch.randint(-8, 8, (n, n)).float())
+    b16 = torch.randn(n, n).bfloat16()
+    for b in (a.T.contiguous(), b16):
+        c = torch.empty(n, n, device=DEVICE)
+        _mm_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, DOT=gdr_chunk.DOT_MODES["tf32"], N=n)
+        want = a.double() @ b.double()
+        magnitude = a.double().abs() @ b.double().abs()
+        error = (c.cpu().double() - want).abs()
+        assert (error <= 2.0**-9 * magnitude).all()
+        assert (error > 2.0**-18 * magnitude).any()
+    exact = torch.empty(n, n, device=DEVICE)
+    a16 = a.bfloat16()
+    _mm_kernel[(1,)](a16.to(DEVICE), b16.to(DEVICE), exact, DOT=gdr_chunk.DOT_MODES["tf32"], N=n)
+    want = a16.double() @ b16.double()
+    assert (
+        (exact.cpu().double() - want).abs() <= 2.0**-20 * (a16.double().abs() @ b16.double().abs())
+    ).all()
+
+
 def test_dot_mode_names(monkeypatch):
     """By default bf16 inputs take tf32 products where the GPU holds their tiles, fp16 and fp32
     split3; the variable forces one."""

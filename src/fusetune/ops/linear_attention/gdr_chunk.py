@@ -33,6 +33,9 @@ from fusetune._utils import next_power_of_2
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
 UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
+# The interpreter's tf32 tl.dot is full fp32: it drops the operands' 13 low mantissa bits itself,
+# as the tensor cores ignore them, so that the CPU tests see tf32 mode's rounding.
+EMULATE_TF32 = tl.constexpr(INTERPRET)
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
 BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
 # SHARED MEMORY (H100: 232448 bytes a block). Triton stages every tl.dot operand through shared
@@ -139,6 +142,14 @@ def tf32_round(x):
 
 
 @triton.jit
+def _tf32_truncate(x):
+    """x (widened to fp32) with its 13 low mantissa bits cleared: what a tf32 tensor-core
+    product reads of an fp32 operand (truncation, the coarser of the two roundings)."""
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    return (bits & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def tf32_split(x):
     """x = hi + lo with hi a tf32 value and lo = x - hi exact (|lo| <= 2^-11 |x|, Sterbenz); lo
     rounded to tf32 too (relative error 2^-12 of lo, 2^-23 of x), so that the tensor cores see
@@ -213,7 +224,10 @@ def mm(a, b, DOT: tl.constexpr):
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif DOT == 4 and (a.dtype == tl.float32 or b.dtype == tl.float32):
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+        if EMULATE_TF32:
+            return tl.dot(_tf32_truncate(a), _tf32_truncate(b), input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     else:
         return _mm_split(a, b)
 
