@@ -18,7 +18,9 @@
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~5 minutes): the Gated DeltaNet GPU tests
 #     with wy_kernel and output_kernel at 4 warps in tf32 mode (bf16's default since the ninth
 #     session; timed through tools/gdr_launch_sweep.py's override, 13.28 -> 12.33 ms, but the
-#     tests ran at 8), then the tf32 time and per-kernel profile (tools/gdr_modes_bench.py).
+#     tests ran at 8), then the tf32 time and per-kernel profile (tools/gdr_modes_bench.py),
+#     then the Qwen3.5 / Qwen3-Next model tests (bf16 autocast parity with real tf32 products;
+#     on the CPU they passed with tf32 emulated).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -49,6 +51,8 @@ if [ "${1:-}" = gdr ]; then  # tf32 products with wy / output at 4 warps: GPU te
   timeout 75 python3 tools/gdr_modes_bench.py --modes tf32 2>&1 | tee "$OUT/gdr-tf32.log"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
     2>&1 | tail -15 | tee "$OUT/gdr-tests.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_transformers.py \
+    -k "qwen3_5 or qwen3_next" 2>&1 | tail -5 | tee -a "$OUT/gdr-tests.log"  # bf16 parity
   echo "done in $SECONDS s"
   exit 0
 fi
