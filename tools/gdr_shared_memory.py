@@ -1,6 +1,6 @@
-"""Shared memory of the gated delta rule chunk kernels, compiled offline for sm_90 (no GPU
-needed: Triton's wheel ships ptxas). Prints metadata.shared per kernel with the launcher's
-settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
+"""Shared memory, registers and spill stack of the gated delta rule chunk kernels, compiled
+offline for sm_90 (no GPU needed: Triton's wheel ships ptxas and cuobjdump), per kernel with the
+launcher's settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
 
     python tools/gdr_shared_memory.py 128                 # K = V = 128 (chunk 64), IEEE, fp32
     python tools/gdr_shared_memory.py 256 split3 bf16     # K = V = 256 (chunk 32), split3, bf16
@@ -18,7 +18,10 @@ Takes minutes on a CPU (the IEEE-product kernels compile slowly). H100 limit: 23
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("FUSETUNE_INTERPRET", None)
 
@@ -34,7 +37,7 @@ DOTS = gdr_chunk.DOT_MODES
 INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
 
 
-def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False) -> int:
+def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False):
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
         if hints and name not in consts and name not in FLOATS:
@@ -55,7 +58,24 @@ def shared_bytes(kernel, consts: dict, num_warps: int, dtype: str, hints: bool =
         target=GPUTarget("cuda", 90, 32),
         options=options,
     )
-    return compiled.metadata.shared
+    return compiled
+
+
+def resources(compiled) -> str:
+    """Shared memory, registers a thread and spill stack of a compiled kernel (cuobjdump from
+    Triton's wheel reads the cubin's resource usage)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True
+        ).stdout
+    regs, stack = (re.search(rf"{key}:(\d+)", usage) for key in ("REG", "STACK"))
+    return (
+        f"{compiled.metadata.shared} bytes shared, {regs.group(1) if regs else '?'} registers, "
+        f"stack {stack.group(1) if stack else '?'}"
+    )
 
 
 def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
@@ -79,7 +99,7 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     for name, kernel, consts, warps in jobs:
         print(
             f"K=V={dim} chunk {bt} {mode} {dtype} {name}: "
-            f"{shared_bytes(kernel, consts, warps, dtype, hints)} bytes",
+            f"{resources(compile_kernel(kernel, consts, warps, dtype, hints))}",
             flush=True,
         )
 
