@@ -378,7 +378,8 @@ def test_dot_mode_names(monkeypatch):
     assert modes == {torch.float32: 3, torch.float16: 3}
     assert gdr_chunk.dot_mode(torch.bfloat16) == 4
     assert gdr_chunk.dot_mode(torch.bfloat16, 232448) == 4  # H100, H200
-    assert gdr_chunk.dot_mode(torch.bfloat16, 166912) == 3  # A100: tf32's tiles do not fit
+    assert gdr_chunk.dot_mode(torch.bfloat16, 166912) == 4  # A100
+    assert gdr_chunk.dot_mode(torch.bfloat16, 101376) == 3  # consumer parts: tf32 does not fit
     monkeypatch.setenv("FUSETUNE_GDR_DOT", "ieee")
     assert gdr_chunk.dot_mode(torch.bfloat16) == 2
     for refused in ("tf32x3", "bf16x6"):

@@ -64,6 +64,10 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #     tf32 l2norm (bf16's default since the session of 2026-11-27; one tf32 product per
 #     fp32 operand pairing)
 #                           49152   65536   98304   114688   229376 (BVA 32)
+#     bwd_chunk after dA's sum became dD D^T (2026-11-27; Triton 3.6, hints; spill stack a
+#     thread at 8 warps): tf32 212992 (4224 -> 3632 B), split3 fp16 180224 (163840 before;
+#     3824 -> 3000 B), split3 fp32 196608 (4888 -> 3832 B); sm_80 (GDR_ARCH=80): tf32 131072,
+#     split3 fp16 81920
 #   K = V = 256, BT 32
 #     ieee fp32             32768   71680   139264  75904    102528
 #     split3 fp32 / l2norm  65536   34816   65536   81920    98304
@@ -103,9 +107,11 @@ def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
 DOT_MODES = {"ieee": 2, "split3": 3, "tf32": 4}
 
 
-# bwd_chunk_kernel's shared memory with tf32 products at K = V = 128 (SHARED MEMORY above):
-# GPUs with less a block (A100: 166912) keep split3 (163840) for bf16.
-TF32_SHARED_MEMORY = 229376
+# bwd_chunk_kernel's shared memory with tf32 products at K = V = 128, compiled offline (Triton
+# 3.6): 212992 bytes on sm_90 (wgmma; the H100 and H200 hold 232448 a block) and 131072 on sm_80
+# (mma.sync; the A100 holds 166912). GPUs with less (consumer parts: about 101376) keep split3,
+# which takes 81920 there.
+TF32_SHARED_MEMORY = 131072
 
 
 def dot_mode(dtype: torch.dtype, shared_memory: int | None = None) -> int:
@@ -561,14 +567,13 @@ def bwd_chunk_kernel(
     buf_rows = (i_b * T + rows) * HV + i_h
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    t_beta = Tinv * bc[None, :]  # U = T (beta V) = (T diag beta) V
     state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
-    # Sums over value columns: dO S0^T, dO D^T, D dS^T, dD S0^T, dD U^T, V . dvb, <dS, S0>.
+    # Sums over value columns: dO S0^T, dO D^T, D dS^T, dD S0^T, dD D^T, V . dvb, <dS, S0>.
     dQe = tl.zeros([BT, BK], dtype=tl.float32)
     dKd = tl.zeros([BT, BK], dtype=tl.float32)
     dW = tl.zeros([BT, BK], dtype=tl.float32)
     dP = tl.zeros([BT, BT], dtype=tl.float32)
-    dUU = tl.zeros([BT, BT], dtype=tl.float32)
+    dDD = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
     x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
     for v0 in range(0, V, BVA):
@@ -581,7 +586,6 @@ def bwd_chunk_kernel(
                         mask=mtv, other=0.0)
         Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
         dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        Uc = mm(t_beta, v_in, DOT)  # recomputed: no [T, V] buffer
         state = state0 + ck[:, None] * V + cv[None, :]
         S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
         dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
@@ -589,7 +593,7 @@ def bwd_chunk_kernel(
         dP += mm(dO_in, tl.trans(Dc), DOT)
         dKd += mm(Dc, tl.trans(dS), DOT)
         dW -= mm(dDc, tl.trans(S0), DOT)
-        dUU += mm(dDc, tl.trans(Uc), DOT)
+        dDD += mm(dDc, tl.trans(Dc), DOT)
         dvb = mm(tl.trans(Tinv), dDc, DOT)  # d(beta V) = T^T dU, dU = dD
         dbeta += tl.sum(v_in.to(tl.float32) * dvb, axis=1)
         x0 += tl.sum(tl.sum(dS * S0, axis=1), axis=0)
@@ -602,7 +606,6 @@ def bwd_chunk_kernel(
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     A = bc[:, None] * KK * gamma_lower
     kb = (bc * eg)[:, None] * kc
-    Wc = mm(Tinv * (bc * eg * rk)[None, :], k_in, DOT)  # T kb
     # O = (e^G Q) S0 + P D with P = (Q K^T) * Gamma (Q scaled).
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
     dQK = dP * gamma
@@ -612,7 +615,9 @@ def bwd_chunk_kernel(
     dk += eg_end[:, None] * dKd
     # D = U - W S0, W = T kb, U = T (beta V), T = (I + A)^-1: dA = -T^T (dW W^T + dU U^T).
     dkb = mm(tl.trans(Tinv), dW, DOT)
-    dA = -mm(tl.trans(Tinv), mm(dW, tl.trans(Wc), DOT) + dUU, DOT)
+    # dW W^T + dU U^T = dD D^T: W S0 = U - D, so dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W,
+    # no U, and no difference of two products that cancel).
+    dA = -mm(tl.trans(Tinv), dDD, DOT)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
     dk += (bc * eg)[:, None] * dkb
     dKK = dA * gamma_lower * bc[:, None]
