@@ -15,10 +15,12 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~5 minutes): the Gated DeltaNet GPU tests
-#     with wy_kernel and output_kernel at 4 warps in tf32 mode (bf16's default since the ninth
-#     session; timed through tools/gdr_launch_sweep.py's override, 13.28 -> 12.33 ms, but the
-#     tests ran at 8), then the tf32 time and per-kernel profile (tools/gdr_modes_bench.py),
+#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~5 minutes): FIRST JOB. Neither of the
+#     ninth session's last Gated DeltaNet changes has run on a GPU: bwd_chunk's dA from dD D^T
+#     (U, W and a product gone; offline fewer spills) and wy_kernel / output_kernel at 4 warps in
+#     tf32 mode (timed through tools/gdr_launch_sweep.py's override, 13.28 -> 12.33 ms, but the
+#     tests ran at 8). The tf32 time and per-kernel profile first (tools/gdr_modes_bench.py;
+#     was 13.30 ms, bwd_chunk 5.62), then the file's GPU tests,
 #     then the Qwen3.5 / Qwen3-Next model tests (bf16 autocast parity with real tf32 products;
 #     on the CPU they passed with tf32 emulated).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
