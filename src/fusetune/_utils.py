@@ -32,13 +32,13 @@ def backend(tensor: torch.Tensor) -> Backend:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties_of(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
 
 
-@functools.cache
-def _shared_memory_optin(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+def _cuda_properties(device: torch.device):
+    """The (cached) properties of a CUDA ``device``; no index means the current device."""
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def shared_memory_per_block(device: torch.device) -> int | None:
@@ -46,16 +46,14 @@ def shared_memory_per_block(device: torch.device) -> int | None:
     A100 166912); None elsewhere (the interpreter has no limit)."""
     if device.type != "cuda":
         return None
-    return _shared_memory_optin(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    return _cuda_properties(device).shared_memory_per_block_optin
 
 
 def num_programs_in_flight(device: torch.device) -> int:
     """Streaming multiprocessors on ``device`` (a small fixed number under the interpreter, so
     that CPU tests exercise the same launch-shape decisions as a GPU does on larger inputs)."""
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_properties(device).multi_processor_count
     return 4
 
 

@@ -227,15 +227,13 @@ def mm(a, b, DOT: tl.constexpr):
     """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``; 4: fp32 operands rounded to tf32)
     or IEEE fp32 FMA (2). Operands are fp32 tiles or input tiles in their own dtype (fp32, fp16,
     bf16); two 16-bit input tiles always take one 16-bit product."""
-    if DOT == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT == 4 and (a.dtype == tl.float32 or b.dtype == tl.float32):
+    if DOT == 4 and (a.dtype == tl.float32 or b.dtype == tl.float32):
         if EMULATE_TF32:
             return tl.dot(_tf32_truncate(a), _tf32_truncate(b), input_precision="ieee")
         else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     else:
-        return _mm_split(a, b)
+        return mm_exact(a, b, DOT)
 
 
 @triton.jit
