@@ -36,6 +36,8 @@ INPUTS = ("q", "k", "v", "beta", "do", "o", "dv")  # pointers in the input dtype
 DOTS = gdr_chunk.DOT_MODES
 INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
 ARCH = int(os.environ.get("GDR_ARCH", "90"))  # GDR_ARCH=80: an A100 (its limit 166912 bytes)
+SEQ_WARPS = int(os.environ.get("GDR_SEQ_WARPS", "4"))  # states / dstates (the launcher's 4)
+BWD_WARPS = int(os.environ.get("GDR_BWD_WARPS", "8"))  # bwd_chunk (the launcher's 8)
 
 
 def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False):
@@ -86,16 +88,27 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
     per_chunk = 4 if mode == "tf32" else 8  # the launcher's warps for wy and output
     jobs = [
-        ("wy_kernel", gdr_chunk.wy_kernel, base, per_chunk),
+        ("wy_kernel", gdr_chunk.wy_kernel, dict(base, BV=min(dim, 64), LOCAL_DD=False), per_chunk),
+        (
+            "wy_kernel (backward)",
+            gdr_chunk.wy_kernel,
+            dict(base, BV=min(dim, 64), LOCAL_DD=True),
+            per_chunk,
+        ),
         (
             "states_kernel",
             gdr_chunk.states_kernel,
             dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True),
-            4,
+            SEQ_WARPS,
         ),
         ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), per_chunk),
-        ("dstates_kernel", gdr_chunk.dstates_kernel, dict(base, BV=state_bv, HAS_DHT=True), 4),
-        ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), 8),
+        (
+            "dstates_kernel",
+            gdr_chunk.dstates_kernel,
+            dict(base, BV=state_bv, HAS_DHT=True),
+            SEQ_WARPS,
+        ),
+        ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]
     for name, kernel, consts, warps in jobs:
         print(

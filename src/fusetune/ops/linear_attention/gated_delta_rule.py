@@ -97,7 +97,8 @@ class _ChunkRun:
         slots = slot_count(self.max_chunks, plan.n_seq, plan.varlen)
         rows = (plan.batch, plan.seq_len, plan.value_heads)
         self.t_buf = _utils.empty((*rows, self.bt), f32, device)  # (I + A)^-1 per chunk
-        self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # the writes D
+        self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
+        self.w_buf = _utils.empty((*rows, plan.key_dim), f32, device)  # W = T (beta e^G K)
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         self.h_buf = _utils.empty(self.state_shape, f32, device)  # chunk start states
@@ -110,6 +111,7 @@ class _ChunkRun:
         self.bk = max(smallest, plan.BK)
         self.bva = max(smallest, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(smallest, plan.BV)
+        self.wy_block = min(self.bva, 64)  # value columns a step of wy_kernel's U loop
         # Products by input dtype (gdr_chunk.dot_mode): about fp32's accuracy for fp32 and fp16
         # (tf32 alone on what feeds the states and dg cost GSA's chunk mode 1.5e-2 on dg in
         # fp16: issue 20, item 4), tf32 for bf16; FUSETUNE_GDR_DOT forces one.
@@ -126,18 +128,24 @@ class _ChunkRun:
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
 
-    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
-        """(I + A)^-1 and g per chunk, then every chunk's start state and writes D (and hT)."""
+    def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
+               scale=1.0) -> None:
+        """Per chunk T = (I + A)^-1, g, W and U (and with ``do``, dD's local part P^T dO into
+        ``dd_buf``); then every chunk's start state and writes D (and hT)."""
+        local = do is not None
+        q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
         gdr_chunk.wy_kernel[self.chunk_grid](
-            k, g, beta, self.gc_buf, self.t_buf, cu_arg, *bth_strides(k), *g.stride(),
-            *beta.stride(), plan.seq_len, plan.value_heads, **self.per_chunk,
+            q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.d_buf,
+            dd_buf if local else self.d_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
+            *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
+            plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
+            **self.per_chunk,
         )
         gdr_chunk.states_kernel[self.column_grid](
-            k, v, beta, self.gc_buf, self.t_buf, self.d_buf, self.h_buf,
+            k, self.gc_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
-            *bth_strides(k), *bth_strides(v), *beta.stride(), plan.seq_len, plan.value_heads,
-            V=plan.value_dim, BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None,
-            **self.common,
+            *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
+            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.common,
         )
 
 
@@ -162,31 +170,25 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
 
 
 def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
-    """The chunked backward: recompute the forward's states, reverse over chunks for the state
-    gradients and dD, then every input gradient per chunk."""
+    """The chunked backward: recompute the forward's states (and dD's local part), reverse over
+    chunks for the state gradients and dD, then every input gradient per chunk."""
     device, f32 = v.device, torch.float32
-    rows = (plan.batch, plan.seq_len, plan.value_heads)
-    # Without groups the kernel writes dq, dk in their own dtypes; with groups fp32 per value
-    # head, summed over the group after.
-    dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), f32 if plan.group > 1 else x.dtype,
-                                   device) for x in (q, k))
-    dbeta_buf, dg_buf = (_utils.empty(rows, f32, device) for _ in range(2))
-    dv = _utils.empty(v.shape, v.dtype, device)
     dh0 = _utils.empty(plan.state_shape, f32, device)
     if plan.empty():
         dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
-        return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
+        return (*_input_grads(plan, q, k, v), dh0)
     run = _ChunkRun(plan, v, l2norm)
-    cu_arg = dv if cu is None else cu
-    run.states(plan, k, v, g, beta, h0, None, cu_arg)
+    cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
+    run.states(plan, k, v, g, beta, h0, None, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
     dh_buf = _utils.empty(run.state_shape, f32, device)
     gdr_chunk.dstates_kernel[run.column_grid](
-        q, k, beta, do, run.t_buf, run.gc_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT,
-        dh0, cu_arg, *bth_strides(q), *bth_strides(k), *beta.stride(), *bth_strides(do), scale,
-        plan.seq_len, plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
-        **run.common,
+        q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
+        cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
+        plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None, **run.common,
     )
+    run.w_buf = None  # freed before the gradients' buffers: the backward's peak is below
+    dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
         q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf,
@@ -195,6 +197,17 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         plan.value_heads, V=plan.value_dim, BVA=block, **run.wide,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
+
+
+def _input_grads(plan, q, k, v):
+    """The chunked backward's outputs (dq, dk, dv, dg, dbeta), unfilled. Without groups the
+    kernel writes dq, dk in their own dtypes; with groups fp32 per value head, summed over the
+    group after."""
+    rows = (plan.batch, plan.seq_len, plan.value_heads)
+    dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), torch.float32 if plan.group > 1
+                                   else x.dtype, v.device) for x in (q, k))
+    dbeta_buf, dg_buf = (_utils.empty(rows, torch.float32, v.device) for _ in range(2))
+    return dq_buf, dk_buf, _utils.empty(v.shape, v.dtype, v.device), dg_buf, dbeta_buf
 
 
 def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,

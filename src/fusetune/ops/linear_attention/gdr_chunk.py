@@ -340,22 +340,30 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def wy_kernel(
-    k, g, beta, gc_buf, t_buf, cu,
-    sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
-    T, HV, GROUP: tl.constexpr, K, BT: tl.constexpr, BK: tl.constexpr,
-    VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
+    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+    sd_b, sd_t, sd_h,
+    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
+    LOCAL_DD: tl.constexpr,
 ):
-    """Per chunk: T = (I + A)^-1 [T, HV, BT] and the floored gates g [T, HV] for the other
-    kernels (fp32, rows of the contiguous buffers r = (b * T + t) * HV + h). W and U are
-    formed from T where they are used (one [BT, BT] product), not kept."""
+    """Per chunk, everything that does not depend on the state (fp32, rows of the contiguous
+    buffers r = (b * T + t) * HV + h): the floored gates g [T, HV], T = (I + A)^-1 [T, HV, BT],
+    W = (T diag(beta e^G)) K [T, HV, K] and U = (T diag(beta)) V [T, HV, V] (states_kernel turns
+    U into D = U - W S0 in place), and for the backward (LOCAL_DD) dD's local part P^T dO into
+    dd_buf (dstates_kernel adds the state's). So the sequential kernels do only the products
+    that carry the state: two a chunk forward, three backward, where they formed W, U and P
+    per block of value columns."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
     rows = start + tl.arange(0, BT)
     mt = rows < end
     ck = tl.arange(0, BK)
-    k_in = tl.load(k + i_b * sk_b + (i_h // GROUP) * sk_h + rows[:, None] * sk_t + ck[None, :],
-                   mask=mt[:, None] & (ck < K)[None, :], other=0.0)  # input dtype: see mm
+    mtk = mt[:, None] & (ck < K)[None, :]
+    i_hk = i_h // GROUP
+    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
+                   other=0.0)  # input dtype: see mm
     gq = tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt, other=0.0).to(tl.float32)
     gq = tl.maximum(gq, -1.0e4)  # exp(-1e4) is 0 to fp32; -inf would give 0 * inf below
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
@@ -367,26 +375,38 @@ def wy_kernel(
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(gc_buf + out_rows, gq, mask=mt)
     tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
-
-
-@triton.jit
-def _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, rk, BT: tl.constexpr, DOT: tl.constexpr):
-    """T and W = T (beta e^G K) of a chunk (K's rows normalised by rk), as
-    (T diag(beta e^G rk)) K: K stays an input tile."""
-    Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    return Tinv, mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)
+    gc, _ = gate_sums(gq)
+    Wc = mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)  # K stays an input tile
+    tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
+    Tb = Tinv * bc[None, :]
+    if LOCAL_DD:
+        q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
+                       mask=mtk, other=0.0)
+        P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
+        Pt = tl.trans(P * (inv_norms(q_in, BT, L2NORM)[:, None] * rk[None, :]))
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mtv = mt[:, None] & (cv < V)[None, :]
+        out = out_rows[:, None] * V + cv[None, :]
+        v_in = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
+                       mask=mtv, other=0.0)
+        tl.store(u_buf + out, mm(Tb, v_in, DOT), mask=mtv)
+        if LOCAL_DD:
+            dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
+                            mask=mtv, other=0.0)
+            tl.store(dd_buf + out, mm(Pt, dO_in, DOT), mask=mtv)
 
 
 @triton.jit
 def states_kernel(
-    k, v, beta, gc_buf, t_buf, d_buf, h_buf, h0, hT, cu,
-    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h,
+    k, gc_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
     """Sequential over the chunks of one sequence, value head and block of value columns: store
-    each chunk's start state S0 [slot, HV, K, V] and its writes D = U - W S0 [T, HV, V]."""
+    each chunk's start state S0 [slot, HV, K, V] and turn wy_kernel's U in d_buf into the
+    writes D = U - W S0 [T, HV, V]."""
     i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
@@ -396,8 +416,6 @@ def states_kernel(
     tile = ck[:, None] * V + cv[None, :]
     mkv = mk[:, None] & mv[None, :]
     k += i_b * sk_b + (i_h // GROUP) * sk_h
-    v += i_b * sv_b + i_h * sv_h
-    beta += i_b * sb_b + i_h * sb_h
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
@@ -407,18 +425,17 @@ def states_kernel(
         start = bos + i_c * BT
         rows = start + r
         mt = rows < eos
+        mtk = mt[:, None] & mk[None, :]
         mtv = mt[:, None] & mv[None, :]
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile, S, mask=mkv)
-        gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-        k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
-                       other=0.0)  # k, v in their input dtype: see mm
-        v_in = tl.load(v + rows[:, None] * sv_t + cv[None, :], mask=mtv, other=0.0)
-        bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
+        gq, _, g_last = _load_gates(gc_buf, buf_rows, mt)
+        k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
         rk = inv_norms(k_in, BT, L2NORM)
-        Tinv, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, rk, BT, DOT)
-        Dc = mm(Tinv * bc[None, :], v_in, DOT) - mm(Wc, S, DOT)  # U - W S0, U = (T diag beta) V
-        tl.store(d_buf + buf_rows[:, None] * V + cv[None, :], Dc, mask=mtv)
+        Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
+        d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
+        Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm(Wc, S, DOT)  # U - W S0
+        tl.store(d_rows, Dc, mask=mtv)
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
         S = S * tl.exp(g_last) + mm(tl.trans(k_in), (to_end * rk)[:, None] * Dc, DOT)
     if STORE_HT:
@@ -472,15 +489,15 @@ def output_kernel(
 
 @triton.jit
 def dstates_kernel(
-    q, k, beta, do, t_buf, gc_buf, dd_buf, dh_buf, dhT, dh0, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
+    q, k, do, gc_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
     """Reverse over chunks: dS (the gradient of the state after the chunk) per chunk into
-    dh_buf, dD = exp(G_last - G) K dS + P^T dO into dd_buf, and dS before the chunk:
-    exp(G_last) dS + (exp(G) Q)^T dO - W^T dD; dh0 at the end."""
+    dh_buf, dD = exp(G_last - G) K dS + P^T dO into dd_buf (wy_kernel left P^T dO there), and
+    dS before the chunk: exp(G_last) dS + (exp(G) Q)^T dO - W^T dD; dh0 at the end."""
     i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
@@ -492,7 +509,6 @@ def dstates_kernel(
     i_hk = i_h // GROUP
     q += i_b * sq_b + i_hk * sq_h
     k += i_b * sk_b + i_hk * sk_h
-    beta += i_b * sb_b + i_h * sb_h
     do += i_b * sd_b + i_h * sd_h
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -506,23 +522,20 @@ def dstates_kernel(
         rows = start + r
         mt = rows < eos
         mtk = mt[:, None] & mk[None, :]
+        mtv = mt[:, None] & mv[None, :]
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(dh_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile, dS, mask=mkv)
         # q, k, dO in their input dtype: see mm
         q_in = tl.load(q + rows[:, None] * sq_t + ck[None, :], mask=mtk, other=0.0)
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
-        dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mt[:, None] & mv[None, :],
-                        other=0.0)
+        dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mtv, other=0.0)
+        Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-        bc = tl.load(beta + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
         rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
-        _, Wc = _load_wy(t_buf, buf_rows, mt, r, k_in, bc, gc, rk, BT, DOT)
-        P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
-        P = P * (rq[:, None] * rk[None, :])
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
-        dDc = (to_end * rk)[:, None] * mm(k_in, dS, DOT) + mm(tl.trans(P), dO_in, DOT)
-        tl.store(dd_buf + buf_rows[:, None] * V + cv[None, :], dDc,
-                 mask=mt[:, None] & mv[None, :])
+        dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
+        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + (to_end * rk)[:, None] * mm(k_in, dS, DOT)
+        tl.store(dd_rows, dDc, mask=mtv)
         dOe = (scale * rq * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
         dS = dS * tl.exp(g_last) + mm(tl.trans(q_in), dOe, DOT) - mm(tl.trans(Wc), dDc, DOT)
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
@@ -540,7 +553,10 @@ def bwd_chunk_kernel(
     """Every input gradient of one chunk and value head (dq, dk per value head in fp32; dv;
     dbeta, dg in fp32) from S0, dS (the gradient after the chunk), D and dD. The value columns
     go by in blocks of BVA: each gradient term is linear in one sum over them, so the blocks
-    add into [BT, K] and [BT, BT] accumulators and no [K, V] pair sits in registers at once."""
+    add into [BT, K] and [BT, BT] accumulators and no [K, V] pair sits in registers at once.
+    Registers bound this kernel (one block an SM), so nothing the value loop does not read is
+    loaded before it, and after it each accumulator is folded into dq, dk, dbeta and dg's
+    terms as soon as it can be."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -549,21 +565,8 @@ def bwd_chunk_kernel(
     mt = rows < end
     ck = tl.arange(0, BK)
     mk = ck < K
-    mtk = mt[:, None] & mk[None, :]
-    i_hk = i_h // GROUP
-    # q, k, v, dO as loaded (input dtype) go into the products (see mm); fp32 copies elsewhere.
-    q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
-                   other=0.0)
-    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
-                   other=0.0)
-    # With L2NORM, q and k below stand for their normalised rows (rq, rk: 1 / norms, folded
-    # into the per-token factors); dq and dk go back through the normalisation at the end.
-    rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
-    qc = q_in.to(tl.float32) * (scale * rq)[:, None]
-    kc = k_in.to(tl.float32) * rk[:, None]
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
-    gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
     state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
     # Sums over value columns: dO S0^T, dO D^T, D dS^T, dD S0^T, dD D^T, V . dvb, <dS, S0>.
@@ -597,39 +600,53 @@ def bwd_chunk_kernel(
         x0 += tl.sum(tl.sum(dS * S0, axis=1), axis=0)
         tl.store(dv + i_b * sdv_b + i_h * sdv_h + rows[:, None] * sdv_t + cv[None, :],
                  (bc[:, None] * dvb).to(dv.dtype.element_ty), mask=mtv)
+    mtk = mt[:, None] & mk[None, :]
+    i_hk = i_h // GROUP
+    # q, k as loaded (input dtype) go into the products (see mm). With L2NORM they stand for
+    # their normalised rows (rq, rk: 1 / norms, folded into the per-token factors); dq and dk go
+    # back through the normalisation at the end.
+    q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
+                   other=0.0)
+    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
+                   other=0.0)
+    rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
+    gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     eg = tl.exp(gc)
     eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
+    # O = (e^G Q) S0 + P D, P = (Q K^T) * Gamma (Q scaled); S_end = e^{G_last} S0 +
+    # (e^{G_last - G} K)^T D. dg_u gathers every term whose decay factor spans token u: own
+    # (factors e^{G_t}, t >= u), tail (e^{G_last - G_s}, s < u), pairs (e^{G_t - G_s}).
+    dq = eg[:, None] * dQe
+    own = scale * rq * tl.sum(q_in.to(tl.float32) * dq, axis=1)
+    dk = eg_end[:, None] * dKd
+    tail = rk * tl.sum(k_in.to(tl.float32) * dk, axis=1)
+    # D = U - W S0, W = T (beta e^G K), U = T (beta V), T = (I + A)^-1.
+    dkb = mm(tl.trans(Tinv), dW, DOT)
+    k_dkb = rk * tl.sum(k_in.to(tl.float32) * dkb, axis=1)
+    dbeta += eg * k_dkb
+    own += bc * eg * k_dkb
+    dk += (bc * eg)[:, None] * dkb
     gamma = _decays(gq, r, False, DOT)
-    gamma_lower = _decays(gq, r, True, DOT)
-    KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
-    A = bc[:, None] * KK * gamma_lower
-    kb = (bc * eg)[:, None] * kc
-    # O = (e^G Q) S0 + P D with P = (Q K^T) * Gamma (Q scaled).
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
     dQK = dP * gamma
-    dq = eg[:, None] * dQe + mm(dQK * rk[None, :], k_in, DOT)
-    dk = scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
-    # S_end = e^{G_last} S0 + (e^{G_last - G} K)^T D.
-    dk += eg_end[:, None] * dKd
-    # D = U - W S0, W = T kb, U = T (beta V), T = (I + A)^-1: dA = -T^T (dW W^T + dU U^T).
-    dkb = mm(tl.trans(Tinv), dW, DOT)
-    # dW W^T + dU U^T = dD D^T: W S0 = U - D, so dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W,
-    # no U, and no difference of two products that cancel).
+    pairs = dP * P
+    dq += mm(dQK * rk[None, :], k_in, DOT)
+    dk += scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
+    # dA = -T^T (dW W^T + dU U^T), and dW W^T + dU U^T = dD D^T: W S0 = U - D, so
+    # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
     dA = -mm(tl.trans(Tinv), dDD, DOT)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    dk += (bc * eg)[:, None] * dkb
-    dKK = dA * gamma_lower * bc[:, None]
+    gamma_lower = _decays(gq, r, True, DOT)
+    KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
+    dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
     dk += mm((dKK + tl.trans(dKK)) * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
-    dbeta += eg * tl.sum(kc * dkb, axis=1) + tl.sum(dA * gamma_lower * KK, axis=1)
-    # dg_u: every term whose decay factor spans token u (all such factors hold exp(g_u)).
-    pairs = dP * P + dA * A  # exp(G_t - G_s): spans s < u <= t
-    pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
+    dbeta += tl.sum(dA * gamma_lower * KK, axis=1)
+    pairs += dKK * KK  # dA * A
+    pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)  # exp(G_t - G_s): spans s < u <= t
     before = tl.where(r[:, None] < r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [s, u]: s < u
     spans = mm_exact(pairs, before, DOT)  # [t, u]: sum over s < u
     dg = tl.sum(tl.where(r[:, None] >= r[None, :], spans, 0.0), axis=0)
-    own = tl.sum(qc * eg[:, None] * dQe, axis=1) + tl.sum(kb * dkb, axis=1)  # e^{G_t}: t >= u
     dg += tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
-    tail = tl.sum(kc * eg_end[:, None] * dKd, axis=1)  # e^{G_last - G_s}: s < u
     dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
     dg += x0 * tl.exp(g_last)  # e^{G_last} S0: every u
     dq = dq * scale
