@@ -127,6 +127,12 @@ class _ChunkRun:
         self.per_chunk = self.common if tf32 else self.wide  # wy_kernel, output_kernel
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
+        # The sequential kernels are latency-bound. dstates_kernel runs faster at 8 warps at both
+        # bench shapes; states_kernel only where its programs leave SMs idle (H200, fwd+bwd: B1
+        # T32768 H16 D128 bf16 22.84 -> 20.58 ms with both at 8; H100, B4 T4096, states at 8
+        # 7.97 -> 8.36, dstates at 8 7.82: tools/gdr_launch_sweep.py).
+        few = self.column_grid[0] * self.column_grid[1] < _utils.num_programs_in_flight(device)
+        self.states_launch = self.wide if few else self.common
 
     def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
                scale=1.0) -> None:
@@ -145,7 +151,7 @@ class _ChunkRun:
             k, self.gc_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
-            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.common,
+            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.states_launch,
         )
 
 
@@ -185,7 +191,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     gdr_chunk.dstates_kernel[run.column_grid](
         q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
-        plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None, **run.common,
+        plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None, **run.wide,
     )
     run.w_buf = None  # freed before the gradients' buffers: the backward's peak is below
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
