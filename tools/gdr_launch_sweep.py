@@ -23,13 +23,12 @@ from fusetune.ops.linear_attention import gdr_chunk
 VARIANTS = {  # (stages 2 and bwd_chunk at 4 warps were slower in the session of 2026-11-27)
     "launcher's settings": {},
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
-    "dstates 8 warps": {"dstates_kernel": dict(num_warps=8)},
-    "states, dstates 8 warps": {
-        "states_kernel": dict(num_warps=8),
-        "dstates_kernel": dict(num_warps=8),
+    "states 4 warps": {"states_kernel": dict(num_warps=4)},
+    "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
+    "states, dstates stages 2": {
+        "states_kernel": dict(num_stages=2),
+        "dstates_kernel": dict(num_stages=2),
     },
-    "wy 8 warps": {"wy_kernel": dict(num_warps=8)},
-    "dstates stages 2": {"dstates_kernel": dict(num_stages=2)},
 }
 
 
