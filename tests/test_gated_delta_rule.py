@@ -174,17 +174,6 @@ def test_several_value_blocks(monkeypatch, algo):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_key_halves(monkeypatch, dtype):
-    """bwd_chunk_kernel's two halves of the key columns (the GPU's path from K = 64) with the
-    l2norm's gradient over both halves, grouped heads and several value blocks."""
-    monkeypatch.setattr(gdr_chunk, "BWD_KEY_HALVES_MIN", 32)
-    monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
-    inputs = make_inputs(batch=1, seq_len=20, key_heads=2, value_heads=4, key_dim=32,
-                         value_dim=40, unit_keys=False)  # fmt: skip
-    run_check(inputs, dtype, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True, scale=0.4))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunks_of_64(monkeypatch, dtype):
     """The GPU's chunk size under the interpreter: (I + A)^-1 from four 16-row blocks (the
     blocked inverse and its N^2, N^3 terms), 70 tokens = a full chunk and a partial one."""

@@ -108,12 +108,7 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
             dict(base, BV=state_bv, HAS_DHT=True),
             SEQ_WARPS,
         ),
-        (
-            "bwd_chunk_kernel",
-            gdr_chunk.bwd_chunk_kernel,
-            dict(base, BVA=bwd_bv, HALVES=2 if dim >= 64 else 1),
-            BWD_WARPS,
-        ),
+        ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]
     for name, kernel, consts, warps in jobs:
         print(

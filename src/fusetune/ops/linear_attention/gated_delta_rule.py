@@ -200,8 +200,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf,
         dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
         *bth_strides(v), *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
-        plan.value_heads, V=plan.value_dim, BVA=block,
-        HALVES=2 if run.bk >= gdr_chunk.BWD_KEY_HALVES_MIN else 1, **run.wide,
+        plan.value_heads, V=plan.value_dim, BVA=block, **run.wide,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 

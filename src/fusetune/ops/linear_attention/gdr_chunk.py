@@ -19,7 +19,7 @@ Where an input meets a per-token factor, the factor moves onto the other operand
 input stays a 16-bit tile. exp arguments are <= 0. The models' l2norm of q and k (L2NORM) is
 such a factor too: each kernel takes 1 / ||q_t||, 1 / ||k_t|| from the rows it loads
 (``inv_norms``) and folds them in (Q_n K_n^T = diag(rq) (Q K^T) diag(rk), ...), and the
-backward takes dq, dk back through the normalisation at the end (``_store_key_grads``).
+backward takes dq, dk back through the normalisation at the end (``_l2norm_grad``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
 EMULATE_TF32 = tl.constexpr(INTERPRET)
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
 BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
-# bwd_chunk_kernel takes the key columns in two halves from this padded width (the halves stay
-# tensor-core tiles, >= 32); tests lower it to run the halves under the interpreter.
-BWD_KEY_HALVES_MIN = 64
 # SHARED MEMORY (H100: 232448 bytes a block). Triton stages every tl.dot operand through shared
 # memory (fp32 for IEEE products: a [64, 128] tile is 32 KB) and, with num_stages > 1, keeps
 # num_stages copies of the loads inside loops. At K = V = 128, chunk 64, num_stages 3 (Triton's
@@ -306,6 +303,13 @@ def inv_norms(x_in, BT: tl.constexpr, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _l2norm_grad(x_in, r, dy):
+    """The gradient of x from that of y = x r (r = 1 / ||x||, rows): r (dy - y <y, dy>)."""
+    y = x_in.to(tl.float32) * r[:, None]
+    return r[:, None] * (dy - y * tl.sum(y * dy, axis=1)[:, None])
+
+
+@triton.jit
 def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BT, BT] A, in 16-row blocks: forward substitution inside
     the diagonal blocks (all blocks at once, 15 steps, each one matmul: row p of every block is
@@ -538,79 +542,6 @@ def dstates_kernel(
 
 
 @triton.jit
-def _bwd_key_part(
-    q, k, do, d_buf, dd_buf, h_buf, dh_buf, sq_t, sk_t, sd_t, rows, mt, buf_rows, state0, K, V,
-    Tinv, dQK, dKKs, eg, eg_end, bc, rq, rk, scale, k0, BT: tl.constexpr,
-    BKP: tl.constexpr, BVA: tl.constexpr, DOT: tl.constexpr,
-):
-    """bwd_chunk_kernel on key columns [k0, k0 + BKP): dq (before its factor scale) and dk
-    there, and their share of the sums over key columns behind dbeta and dg (own, tail, k . dkb,
-    <dS, S0>). Its value loop accumulates dO S0^T, D dS^T and dD S0^T on these columns only:
-    [BT, BKP] tiles, half the registers of the whole key width. q, k, dO, D and dD are offset to
-    the sequence and head; the [BT, BT] factors dQK and dKKs = (dKK + dKK^T) diag(rk) come from
-    the caller."""
-    ck = k0 + tl.arange(0, BKP)
-    mk = ck < K
-    dQe = tl.zeros([BT, BKP], dtype=tl.float32)
-    dKd = tl.zeros([BT, BKP], dtype=tl.float32)
-    dW = tl.zeros([BT, BKP], dtype=tl.float32)
-    x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
-    for v0 in range(0, V, BVA):
-        cv = v0 + tl.arange(0, BVA)
-        mv = cv < V
-        mtv = mt[:, None] & mv[None, :]
-        dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mtv, other=0.0)
-        Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        state = state0 + ck[:, None] * V + cv[None, :]
-        S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dQe += mm(dO_in, tl.trans(S0), DOT)
-        dKd += mm(Dc, tl.trans(dS), DOT)
-        dW -= mm(dDc, tl.trans(S0), DOT)
-        x0 += tl.sum(tl.sum(dS * S0, axis=1), axis=0)
-    mtk = mt[:, None] & mk[None, :]
-    q_in = tl.load(q + rows[:, None] * sq_t + ck[None, :], mask=mtk, other=0.0)
-    k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
-    # O = (e^G Q) S0 + ..., S_end = ... + (e^{G_last - G} K)^T D; dg's own and tail terms.
-    dq = eg[:, None] * dQe
-    own = scale * rq * tl.sum(q_in.to(tl.float32) * dq, axis=1)
-    dk = eg_end[:, None] * dKd
-    tail = rk * tl.sum(k_in.to(tl.float32) * dk, axis=1)
-    # D = U - W S0, W = T (beta e^G K): dW to d(beta e^G K).
-    dkb = mm(tl.trans(Tinv), dW, DOT)
-    k_dkb = rk * tl.sum(k_in.to(tl.float32) * dkb, axis=1)
-    own += bc * eg * k_dkb
-    dk += (bc * eg)[:, None] * dkb
-    dq += mm(dQK * rk[None, :], k_in, DOT)
-    dk += scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT) + mm(dKKs, k_in, DOT)
-    return dq, dk, q_in, k_in, own, tail, k_dkb, x0
-
-
-@triton.jit
-def _store_key_grads(dq_buf, dk_buf, dq, dk, q_in, k_in, rq, rk, q_dot, k_dot, buf_rows, mt,
-                     k0, K, BKP: tl.constexpr, L2NORM: tl.constexpr):
-    """dq, dk of key columns [k0, k0 + width) into their buffers, through the l2norm's gradient
-    with L2NORM (r (dy - y <y, dy>), y = x r; the row sums <y, dy> over every key column come
-    from the caller). Linear in dq, dk: a group's value heads may still be summed after."""
-    ck = k0 + tl.arange(0, BKP)
-    if L2NORM:
-        dq = rq[:, None] * (dq - (q_in.to(tl.float32) * rq[:, None]) * q_dot[:, None])
-        dk = rk[:, None] * (dk - (k_in.to(tl.float32) * rk[:, None]) * k_dot[:, None])
-    out = buf_rows[:, None] * K + ck[None, :]
-    mtk = mt[:, None] & (ck < K)[None, :]
-    tl.store(dq_buf + out, dq.to(dq_buf.dtype.element_ty), mask=mtk)
-    tl.store(dk_buf + out, dk.to(dk_buf.dtype.element_ty), mask=mtk)
-
-
-@triton.jit
-def _l2_dots(q_in, k_in, dq, dk, rq, rk):
-    """<y, dy> per row for q and k (y = x r), over one part's key columns."""
-    return (rq * tl.sum(q_in.to(tl.float32) * dq, axis=1),
-            rk * tl.sum(k_in.to(tl.float32) * dk, axis=1))
-
-
-@triton.jit
 def bwd_chunk_kernel(
     q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
     dv, dbeta_buf, dg_buf, cu,
@@ -618,16 +549,14 @@ def bwd_chunk_kernel(
     sdv_b, sdv_t, sdv_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
-    HALVES: tl.constexpr,
 ):
     """Every input gradient of one chunk and value head (dq, dk per value head in fp32; dv;
     dbeta, dg in fp32) from S0, dS (the gradient after the chunk), D and dD. The value columns
     go by in blocks of BVA: each gradient term is linear in one sum over them, so the blocks
-    add into accumulators and no [K, V] pair sits in registers at once. Registers bound this
-    kernel (one block an SM), so it goes in parts: a value loop for the [BT, BT] sums (dO D^T,
-    dD D^T) with dv and dbeta's V . dv term, then the [BT, BT] factors of dq, dk, dbeta and dg,
-    then ``_bwd_key_part`` per half of the key columns (HALVES; the whole width below
-    BWD_KEY_HALVES_MIN) for the [BT, K] sums, and the l2norm's gradient over both halves."""
+    add into [BT, K] and [BT, BT] accumulators and no [K, V] pair sits in registers at once.
+    Registers bound this kernel (one block an SM), so nothing the value loop does not read is
+    loaded before it, and after it each accumulator is folded into dq, dk, dbeta and dg's
+    terms as soon as it can be."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -635,44 +564,74 @@ def bwd_chunk_kernel(
     rows = start + r
     mt = rows < end
     ck = tl.arange(0, BK)
-    mtk = mt[:, None] & (ck < K)[None, :]
-    i_hk = i_h // GROUP
-    q += i_b * sq_b + i_hk * sq_h
-    k += i_b * sk_b + i_hk * sk_h
-    do += i_b * sd_b + i_h * sd_h
+    mk = ck < K
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
     Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
+    state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
+    # Sums over value columns: dO S0^T, dO D^T, D dS^T, dD S0^T, dD D^T, V . dvb, <dS, S0>.
+    dQe = tl.zeros([BT, BK], dtype=tl.float32)
+    dKd = tl.zeros([BT, BK], dtype=tl.float32)
+    dW = tl.zeros([BT, BK], dtype=tl.float32)
     dP = tl.zeros([BT, BT], dtype=tl.float32)
     dDD = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
+    x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
     for v0 in range(0, V, BVA):
         cv = v0 + tl.arange(0, BVA)
-        mtv = mt[:, None] & (cv < V)[None, :]
+        mv = cv < V
+        mtv = mt[:, None] & mv[None, :]
         v_in = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
                        mask=mtv, other=0.0)
-        dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mtv, other=0.0)
+        dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
+                        mask=mtv, other=0.0)
         Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
         dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        state = state0 + ck[:, None] * V + cv[None, :]
+        S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
+        dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
+        dQe += mm(dO_in, tl.trans(S0), DOT)
         dP += mm(dO_in, tl.trans(Dc), DOT)
+        dKd += mm(Dc, tl.trans(dS), DOT)
+        dW -= mm(dDc, tl.trans(S0), DOT)
         dDD += mm(dDc, tl.trans(Dc), DOT)
         dvb = mm(tl.trans(Tinv), dDc, DOT)  # d(beta V) = T^T dU, dU = dD
         dbeta += tl.sum(v_in.to(tl.float32) * dvb, axis=1)
+        x0 += tl.sum(tl.sum(dS * S0, axis=1), axis=0)
         tl.store(dv + i_b * sdv_b + i_h * sdv_h + rows[:, None] * sdv_t + cv[None, :],
                  (bc[:, None] * dvb).to(dv.dtype.element_ty), mask=mtv)
+    mtk = mt[:, None] & mk[None, :]
+    i_hk = i_h // GROUP
     # q, k as loaded (input dtype) go into the products (see mm). With L2NORM they stand for
-    # their normalised rows (rq, rk: 1 / norms, folded into the per-token factors).
-    q_in = tl.load(q + rows[:, None] * sq_t + ck[None, :], mask=mtk, other=0.0)
-    k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
+    # their normalised rows (rq, rk: 1 / norms, folded into the per-token factors); dq and dk go
+    # back through the normalisation at the end.
+    q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
+                   other=0.0)
+    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
+                   other=0.0)
     rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     eg = tl.exp(gc)
     eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
-    # O = (e^G Q) S0 + P D, P = (Q K^T) * Gamma (Q scaled).
+    # O = (e^G Q) S0 + P D, P = (Q K^T) * Gamma (Q scaled); S_end = e^{G_last} S0 +
+    # (e^{G_last - G} K)^T D. dg_u gathers every term whose decay factor spans token u: own
+    # (factors e^{G_t}, t >= u), tail (e^{G_last - G_s}, s < u), pairs (e^{G_t - G_s}).
+    dq = eg[:, None] * dQe
+    own = scale * rq * tl.sum(q_in.to(tl.float32) * dq, axis=1)
+    dk = eg_end[:, None] * dKd
+    tail = rk * tl.sum(k_in.to(tl.float32) * dk, axis=1)
+    # D = U - W S0, W = T (beta e^G K), U = T (beta V), T = (I + A)^-1.
+    dkb = mm(tl.trans(Tinv), dW, DOT)
+    k_dkb = rk * tl.sum(k_in.to(tl.float32) * dkb, axis=1)
+    dbeta += eg * k_dkb
+    own += bc * eg * k_dkb
+    dk += (bc * eg)[:, None] * dkb
     gamma = _decays(gq, r, False, DOT)
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
     dQK = dP * gamma
     pairs = dP * P
+    dq += mm(dQK * rk[None, :], k_in, DOT)
+    dk += scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
     # dA = -T^T (dW W^T + dU U^T), and dW W^T + dU U^T = dD D^T: W S0 = U - D, so
     # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
     dA = -mm(tl.trans(Tinv), dDD, DOT)
@@ -680,39 +639,22 @@ def bwd_chunk_kernel(
     gamma_lower = _decays(gq, r, True, DOT)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
+    dk += mm((dKK + tl.trans(dKK)) * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
     dbeta += tl.sum(dA * gamma_lower * KK, axis=1)
     pairs += dKK * KK  # dA * A
-    # dg_u gathers every term whose decay factor spans token u: pairs (e^{G_t - G_s}, spans
-    # s < u <= t), own (e^{G_t}, t >= u), tail (e^{G_last - G_s}, s < u), e^{G_last} S0.
-    pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
+    pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)  # exp(G_t - G_s): spans s < u <= t
     before = tl.where(r[:, None] < r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [s, u]: s < u
     spans = mm_exact(pairs, before, DOT)  # [t, u]: sum over s < u
     dg = tl.sum(tl.where(r[:, None] >= r[None, :], spans, 0.0), axis=0)
-    dKKs = (dKK + tl.trans(dKK)) * rk[None, :]  # KK = K K^T: both factors
-    state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
-    dq, dk, q_p, k_p, own, tail, k_dkb, x0 = _bwd_key_part(
-        q, k, do, d_buf, dd_buf, h_buf, dh_buf, sq_t, sk_t, sd_t, rows, mt, buf_rows, state0, K,
-        V, Tinv, dQK, dKKs, eg, eg_end, bc, rq, rk, scale, 0, BT, BK // HALVES, BVA, DOT)
-    q_dot, k_dot = _l2_dots(q_p, k_p, dq * scale, dk, rq, rk)
-    if HALVES == 2:
-        dq2, dk2, q_p2, k_p2, own2, tail2, k_dkb2, x02 = _bwd_key_part(
-            q, k, do, d_buf, dd_buf, h_buf, dh_buf, sq_t, sk_t, sd_t, rows, mt, buf_rows, state0,
-            K, V, Tinv, dQK, dKKs, eg, eg_end, bc, rq, rk, scale, BK // 2, BT, BK // 2,
-            BVA, DOT)
-        own += own2
-        tail += tail2
-        k_dkb += k_dkb2
-        x0 += x02
-        q_dot2, k_dot2 = _l2_dots(q_p2, k_p2, dq2 * scale, dk2, rq, rk)
-        q_dot += q_dot2
-        k_dot += k_dot2
-        _store_key_grads(dq_buf, dk_buf, dq2 * scale, dk2, q_p2, k_p2, rq, rk, q_dot, k_dot,
-                         buf_rows, mt, BK // 2, K, BK // 2, L2NORM)
-    _store_key_grads(dq_buf, dk_buf, dq * scale, dk, q_p, k_p, rq, rk, q_dot, k_dot, buf_rows,
-                     mt, 0, K, BK // HALVES, L2NORM)
-    dbeta += eg * k_dkb
     dg += tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
     dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
     dg += x0 * tl.exp(g_last)  # e^{G_last} S0: every u
+    dq = dq * scale
+    if L2NORM:  # (linear in dq, dk: a group's value heads may still be summed after)
+        dq = _l2norm_grad(q_in, rq, dq)
+        dk = _l2norm_grad(k_in, rk, dk)
+    out_k = buf_rows[:, None] * K + ck[None, :]
+    tl.store(dq_buf + out_k, dq.to(dq_buf.dtype.element_ty), mask=mtk)
+    tl.store(dk_buf + out_k, dk.to(dk_buf.dtype.element_ty), mask=mtk)
     tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
     tl.store(dg_buf + buf_rows, dg, mask=mt)
