@@ -370,7 +370,12 @@ def wy_kernel(
     r = tl.arange(0, BT)
     rk = inv_norms(k_in, BT, L2NORM)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
-    A = bc[:, None] * KK * _decays(gq, r, True, DOT)
+    if LOCAL_DD:  # P's decays too: the strictly lower ones are the same values
+        gamma = _decays(gq, r, False, DOT)
+        gamma_lower = tl.where(r[:, None] > r[None, :], gamma, 0.0)
+    else:
+        gamma_lower = _decays(gq, r, True, DOT)
+    A = bc[:, None] * KK * gamma_lower
     Tinv = _unit_lower_inverse(A, r, BT, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(gc_buf + out_rows, gq, mask=mt)
@@ -382,7 +387,7 @@ def wy_kernel(
     if LOCAL_DD:
         q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
                        mask=mtk, other=0.0)
-        P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
+        P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma)
         Pt = tl.trans(P * (inv_norms(q_in, BT, L2NORM)[:, None] * rk[None, :]))
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
@@ -636,7 +641,7 @@ def bwd_chunk_kernel(
     # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
     dA = -mm(tl.trans(Tinv), dDD, DOT)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    gamma_lower = _decays(gq, r, True, DOT)
+    gamma_lower = tl.where(r[:, None] > r[None, :], gamma, 0.0)  # (the same values)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
     dk += mm((dKK + tl.trans(dKK)) * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
