@@ -641,7 +641,7 @@ def bwd_chunk_kernel(
     # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
     dA = -mm(tl.trans(Tinv), dDD, DOT)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    gamma_lower = tl.where(r[:, None] > r[None, :], gamma, 0.0)  # (the same values)
+    gamma_lower = _decays(gq, r, True, DOT)  # (a where on gamma: more spills, 3 % slower)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
     dk += mm((dKK + tl.trans(dKK)) * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
