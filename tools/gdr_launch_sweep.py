@@ -1,7 +1,8 @@
 """Gated DeltaNet chunk kernels: fwd+bwd time under other launch settings (num_stages,
 num_warps per kernel), at the bench's Qwen3.5-like shape (B4 T4096 H16 D128, bf16, l2norm, the
 default product mode). Each variant overrides the launcher's keywords of the kernels it names
-(the launcher looks the kernels up in gdr_chunk at every call), so no source changes.
+(launch settings or constexpr blocks such as BVA; the launcher looks the kernels up in gdr_chunk
+at every call), so no source changes.
 
     PYTHONPATH=src:tests:tools python tools/gdr_launch_sweep.py [--batch 4 --seq-len 4096]
 
@@ -25,6 +26,9 @@ VARIANTS = {  # (stages 2 and bwd_chunk at 4 warps were slower in the session of
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
+    # 64 value columns a step of bwd_chunk's loop (two steps at V = 128): since dA's sum became
+    # dD D^T it fits (offline: 180224 bytes of shared memory, as at 32; spill 1952 B vs 1888)
+    "bwd_chunk BVA 64": {"bwd_chunk_kernel": dict(BVA=64)},
     "states, dstates stages 2": {
         "states_kernel": dict(num_stages=2),
         "dstates_kernel": dict(num_stages=2),
