@@ -15,14 +15,10 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~5 minutes): FIRST JOB. Neither of the
-#     ninth session's last Gated DeltaNet changes has run on a GPU: bwd_chunk's dA from dD D^T
-#     (U, W and a product gone; offline fewer spills) and wy_kernel / output_kernel at 4 warps in
-#     tf32 mode (timed through tools/gdr_launch_sweep.py's override, 13.28 -> 12.33 ms, but the
-#     tests ran at 8). The tf32 time and per-kernel profile first (tools/gdr_modes_bench.py;
-#     was 13.30 ms, bwd_chunk 5.62), then the file's GPU tests,
-#     then the Qwen3.5 / Qwen3-Next model tests (bf16 autocast parity with real tf32 products;
-#     on the CPU they passed with tf32 emulated).
+#   bash tools/gpu_pending.sh gdr       1 GPU, carry .peers (~7 minutes): FIRST JOB. The launch
+#     sweep at both bench shapes (its "bwd_chunk BVA 64" variant is untimed: 64 value columns a
+#     step fit since dA's sum became dD D^T), then `bench gated_delta_rule` with FLA in the same
+#     run on an H100 (the tenth session's table was an H200's, before dstates went to 8 warps).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -48,13 +44,16 @@ if [ "${1:-}" = long ]; then
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = gdr ]; then  # tf32 products with wy / output at 4 warps: GPU tests, then times
-  export PYTHONPATH=src:tests:tools
-  timeout 75 python3 tools/gdr_modes_bench.py --modes tf32 2>&1 | tee "$OUT/gdr-tf32.log"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
-    2>&1 | tail -15 | tee "$OUT/gdr-tests.log"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_transformers.py \
-    -k "qwen3_5 or qwen3_next" 2>&1 | tail -5 | tee -a "$OUT/gdr-tests.log"  # bf16 parity
+if [ "${1:-}" = gdr ]; then  # launch variants at both shapes, then the bench beside FLA
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:tests:tools:/tmp/site
+  for shape in "4 4096" "1 32768"; do
+    set -- $shape
+    timeout 150 python3 tools/gdr_launch_sweep.py --repeats 3 --batch "$1" --seq-len "$2" 2>&1 \
+      | tee -a "$OUT/gdr-sweep.log"
+  done
+  timeout 300 python3 -m fusetune bench gated_delta_rule --out "$OUT/gdr" 2>&1 \
+    | tee "$OUT/gdr-bench.log"
   echo "done in $SECONDS s"
   exit 0
 fi
