@@ -193,7 +193,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
         plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None, **run.wide,
     )
-    run.w_buf = None  # freed before the gradients' buffers: the backward's peak is below
+    run.w_buf = None  # freed before the gradients' buffers are allocated: no peak holds both
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](

@@ -7,10 +7,10 @@ log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
     D = U - W S0
     O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma, t >= s) D]
     S_end = exp(G_last) S0 + (exp(G_last - G) K)^T D
-Forward, three launches: ``wy_kernel`` (per chunk: A, then T, kept), ``states_kernel`` (per
-sequence, value head and block of value columns, sequential over chunks: W and U from T, every
-chunk's S0 and D, the final state), ``output_kernel`` (per chunk and block of value columns: O).
-Backward: below.
+Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, kept),
+``states_kernel`` (per sequence, value head and block of value columns, sequential over chunks:
+every chunk's S0 and D from W and U, the final state), ``output_kernel`` (per chunk and block of
+value columns: O). Backward: below.
 Products are fp32-exact (``mm``, ``DOT``): tensor cores (3, the default,
 ``FUSETUNE_GDR_DOT=split3``: input tiles enter in their own dtype, fp32 operands as two tf32
 halves) or IEEE FMA (2, ``ieee``).
@@ -485,7 +485,8 @@ def output_kernel(
 
 
 # ============================================================================ backward
-# Recompute T, g (wy_kernel) and S0, D (states_kernel) as the forward does; then
+# Recompute T, g, W, U (wy_kernel, which also leaves dD's local part P^T dO) and S0, D
+# (states_kernel) as the forward does; then
 # ``dstates_kernel`` walks the chunks in reverse carrying dS (the gradient of the state after a
 # chunk), storing it per chunk with dD; ``bwd_chunk_kernel`` forms every input gradient of a
 # chunk from those. dg is formed term by term with each term's decay factor (no reverse running
