@@ -90,13 +90,15 @@ def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, c
 class _ChunkRun:
     """Buffers and launch constants of the chunked kernels for one call."""
 
-    def __init__(self, plan: _Plan, v: torch.Tensor, l2norm: bool) -> None:
+    def __init__(self, plan: _Plan, v: torch.Tensor, l2norm: bool, backward: bool) -> None:
         device, f32 = v.device, torch.float32
         self.bt = gdr_chunk.chunk_size(_utils.INTERPRET, plan.key_dim)
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
         slots = slot_count(self.max_chunks, plan.n_seq, plan.varlen)
         rows = (plan.batch, plan.seq_len, plan.value_heads)
-        self.t_buf = _utils.empty((*rows, self.bt), f32, device)  # (I + A)^-1 per chunk
+        # (I + A)^-1 per chunk, for the backward's bwd_chunk_kernel (the forward forms W and U
+        # from it inside wy_kernel)
+        self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
         self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
         self.w_buf = _utils.empty((*rows, plan.key_dim), f32, device)  # W = T (beta e^G K)
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
@@ -163,7 +165,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
         if output_final_state:  # no tokens: the final state is the initial one
             hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
         return o, hT
-    run = _ChunkRun(plan, v, l2norm)
+    run = _ChunkRun(plan, v, l2norm, backward=False)
     cu_arg = o if cu is None else cu
     run.states(plan, k, v, g, beta, h0, hT if output_final_state else None, cu_arg)
     out_block = min(run.bva, 64)  # value columns a program: keeps its S0 slice at [K, 64]
@@ -183,7 +185,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     if plan.empty():
         dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
         return (*_input_grads(plan, q, k, v), dh0)
-    run = _ChunkRun(plan, v, l2norm)
+    run = _ChunkRun(plan, v, l2norm, backward=True)
     cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
     run.states(plan, k, v, g, beta, h0, None, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)

@@ -348,7 +348,8 @@ def wy_kernel(
     LOCAL_DD: tl.constexpr,
 ):
     """Per chunk, everything that does not depend on the state (fp32, rows of the contiguous
-    buffers r = (b * T + t) * HV + h): the floored gates g [T, HV], T = (I + A)^-1 [T, HV, BT],
+    buffers r = (b * T + t) * HV + h): the floored gates g [T, HV], T = (I + A)^-1 [T, HV, BT]
+    (stored for the backward only),
     W = (T diag(beta e^G)) K [T, HV, K] and U = (T diag(beta)) V [T, HV, V] (states_kernel turns
     U into D = U - W S0 in place), and for the backward (LOCAL_DD) dD's local part P^T dO into
     dd_buf (dstates_kernel adds the state's). So the sequential kernels do only the products
@@ -379,7 +380,8 @@ def wy_kernel(
     Tinv = _unit_lower_inverse(A, r, BT, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(gc_buf + out_rows, gq, mask=mt)
-    tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
+    if LOCAL_DD:  # only bwd_chunk_kernel reads T again
+        tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
     gc, _ = gate_sums(gq)
     Wc = mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)  # K stays an input tile
     tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
