@@ -15,10 +15,13 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh gdr       1 GPU, carry .peers (~7 minutes): FIRST JOB. The launch
-#     sweep at both bench shapes (its "bwd_chunk BVA 64" variant is untimed: 64 value columns a
-#     step fit since dA's sum became dD D^T), then `bench gated_delta_rule` with FLA in the same
-#     run on an H100 (the tenth session's table was an H200's, before dstates went to 8 warps).
+#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~7 minutes): FIRST JOB. The GDR GPU tests
+#     (the forward without the T store has not run on a GPU), then the launch sweep at both bench
+#     shapes (its "bwd_chunk BVA 64" variant is untimed: 64 value columns a step fit since dA's
+#     sum became dD D^T).
+#   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
+#     with FLA in the same run on an H100 (the tenth session's table was an H200's, before
+#     dstates went to 8 warps).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -44,14 +47,21 @@ if [ "${1:-}" = long ]; then
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = gdr ]; then  # launch variants at both shapes, then the bench beside FLA
-  bash tools/install_carried.sh .peers >/dev/null 2>&1
-  export PYTHONPATH=src:tests:tools:/tmp/site
+if [ "${1:-}" = gdr ]; then  # the GPU tests, then launch variants at both shapes
+  export PYTHONPATH=src:tests:tools
+  timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
+    2>&1 | tail -4 | tee "$OUT/gdr-tests.log"
   for shape in "4 4096" "1 32768"; do
     set -- $shape
     timeout 150 python3 tools/gdr_launch_sweep.py --repeats 3 --batch "$1" --seq-len "$2" 2>&1 \
       | tee -a "$OUT/gdr-sweep.log"
   done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-bench ]; then  # beside FLA (carry .peers)
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:/tmp/site
   timeout 300 python3 -m fusetune bench gated_delta_rule --out "$OUT/gdr" 2>&1 \
     | tee "$OUT/gdr-bench.log"
   echo "done in $SECONDS s"
