@@ -21,7 +21,7 @@ from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
 from fusetune.bench.cases_gated_delta_rule import _inputs
 from fusetune.ops.linear_attention import gdr_chunk
 
-VARIANTS = {  # (stages 2 and bwd_chunk at 4 warps were slower in the session of 2026-11-27)
+VARIANTS = {  # (dropped after 2026-11-27, each slower: bwd_chunk at 4 warps, wy / output at 8)
     "launcher's settings": {},
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},

@@ -36,7 +36,9 @@ INPUTS = ("q", "k", "v", "beta", "do", "o", "dv")  # pointers in the input dtype
 DOTS = gdr_chunk.DOT_MODES
 INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
 ARCH = int(os.environ.get("GDR_ARCH", "90"))  # GDR_ARCH=80: an A100 (its limit 166912 bytes)
-SEQ_WARPS = int(os.environ.get("GDR_SEQ_WARPS", "4"))  # states / dstates (the launcher's 4)
+# Warps of states / dstates: the launcher's by default (states 4, 8 where its programs are
+# fewer than the SMs; dstates 8); GDR_SEQ_WARPS=N sets both.
+SEQ_WARPS = os.environ.get("GDR_SEQ_WARPS")
 BWD_WARPS = int(os.environ.get("GDR_BWD_WARPS", "8"))  # bwd_chunk (the launcher's 8)
 
 
@@ -99,14 +101,14 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
             "states_kernel",
             gdr_chunk.states_kernel,
             dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True),
-            SEQ_WARPS,
+            int(SEQ_WARPS or 4),
         ),
         ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), per_chunk),
         (
             "dstates_kernel",
             gdr_chunk.dstates_kernel,
             dict(base, BV=state_bv, HAS_DHT=True),
-            SEQ_WARPS,
+            int(SEQ_WARPS or 8),
         ),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]

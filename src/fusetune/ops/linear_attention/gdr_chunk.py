@@ -348,13 +348,12 @@ def wy_kernel(
     LOCAL_DD: tl.constexpr,
 ):
     """Per chunk, everything that does not depend on the state (fp32, rows of the contiguous
-    buffers r = (b * T + t) * HV + h): the floored gates g [T, HV], T = (I + A)^-1 [T, HV, BT]
-    (stored for the backward only),
-    W = (T diag(beta e^G)) K [T, HV, K] and U = (T diag(beta)) V [T, HV, V] (states_kernel turns
-    U into D = U - W S0 in place), and for the backward (LOCAL_DD) dD's local part P^T dO into
-    dd_buf (dstates_kernel adds the state's). So the sequential kernels do only the products
-    that carry the state: two a chunk forward, three backward, where they formed W, U and P
-    per block of value columns."""
+    buffers r = (b * T + t) * HV + h): the floored gates g [T, HV], W = (T diag(beta e^G)) K
+    [T, HV, K] and U = (T diag(beta)) V [T, HV, V] with T = (I + A)^-1 (states_kernel turns U
+    into D = U - W S0 in place); for the backward (LOCAL_DD) also T [T, HV, BT] and dD's local
+    part P^T dO into dd_buf (dstates_kernel adds the state's). So the sequential kernels do only
+    the products that carry the state: two a chunk forward, three backward, where they formed
+    W, U and P per block of value columns."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
