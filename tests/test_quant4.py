@@ -20,7 +20,7 @@ from fusetune.integrations import peft as integration
 from fusetune.ops import quant4 as quant4_ops
 from fusetune.reference import lora as lora_reference
 from fusetune.reference import quant4 as reference
-from harness import DEVICE, assert_close, assert_raises, tolerance, uses_kernels
+from harness import DEVICE, assert_close, assert_raises, tolerance
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NF4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -89,11 +89,16 @@ def test_lora_ops_on_a_4bit_base_equal_its_dense_twin(op, dtype, adapter, autoca
     the float64 reference. The Triton dequantisation ran (forward and backward)."""
     projections = [projection(o, i, dtype, adapter) for o, i in SHAPES[op]]
     x = torch.randn(3, 5, 64, device=DEVICE).to(dtype)
-    launches = []
-    launch = quant4_ops._launch
-    monkeypatch.setattr(quant4_ops, "_launch", lambda *a: launches.append(1) or launch(*a))
+    backends = []  # of each dequantisation (on CUDA most are graph replays: test below)
+    dequantize = quant4_ops._dequantize
+
+    def counted(weight, *args, **kwargs):
+        backends.append(quant4_ops._utils.backend(weight.quant_state.code))
+        return dequantize(weight, *args, **kwargs)
+
+    monkeypatch.setattr(quant4_ops, "_dequantize", counted)
     got, got_grads = step(op, x, projections, autocast)
-    assert len(launches) == (2 * len(projections) if uses_kernels(x) else 0), launches
+    assert backends == [fusetune.backend(x)] * (2 * len(projections)), backends
     want, want_grads = step(op, x, dense_twin(projections), autocast)
     for g, w in zip([*got, *got_grads], [*want, *want_grads], strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
@@ -110,6 +115,32 @@ def test_lora_ops_on_a_4bit_base_equal_its_dense_twin(op, dtype, adapter, autoca
     compute = BF16 if autocast else dtype
     for g, r in zip(got, ref, strict=True):
         assert_close("output", g, r, 1.5 * tolerance(compute))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs: runs in the GPU pass")
+def test_dense_replays_each_weights_graph_into_one_shared_buffer():
+    """On CUDA, dense() captures a weight's dequantisation once and replays it into one buffer
+    per device and dtype (grown for a larger weight: graphs captured again). A weight whose
+    storage moves is captured again, and after MAX_RECAPTURES moves launched plainly; a dead
+    weight's graph is forgotten. Every result equals a fresh dequantisation bit for bit."""
+    small, large = (quantize(torch.randn(o, 128, device=DEVICE).to(BF16)) for o in (64, 256))
+    for weight in (small, large, small, large, small):
+        got = quant4_ops.dense(weight, BF16)
+        assert torch.equal(got, fusetune.dequantize_4bit(weight))
+    replays = [quant4_ops._replays[(id(w), BF16)] for w in (small, large)]
+    assert all(isinstance(replay, quant4_ops._Replay) for replay in replays)
+    assert got.data_ptr() == replays[0].out.data_ptr() == replays[1].out.data_ptr()
+    assert replays[0].recaptures == 0  # captured again after the buffer grew: not a move
+    for moves in range(1, quant4_ops.MAX_RECAPTURES + 2):
+        small.data = small.data.clone()
+        got = quant4_ops.dense(small, BF16)
+        assert torch.equal(got, fusetune.dequantize_4bit(small))
+        replay = quant4_ops._replays[(id(small), BF16)]
+        assert (replay is None) == (moves > quant4_ops.MAX_RECAPTURES), moves
+    assert got.data_ptr() != replays[1].out.data_ptr()  # a plain launch's own tensor
+    key = (id(large), BF16)
+    del large, replays
+    assert key not in quant4_ops._replays
 
 
 def test_no_dense_copy_of_the_4bit_weight_is_saved():

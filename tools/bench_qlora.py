@@ -13,6 +13,8 @@ fusetune, Unsloth's own "unsloth" mode (layer inputs offloaded to host memory) f
 in pinned host memory, as Unsloth's mode) for hf and fusetune.
 ``--compile``: fusetune with its decoder stack compiled (``fusetune.compile_layers``, as bench e2e's
 ``hf+peft+fusetune+compile``; Unsloth compiles its decoder layers too); not with checkpointing.
+``--plain-launches``: fusetune with each dequantisation launched plainly, not replayed from its
+captured CUDA graph (``fusetune.ops.quant4.REPLAY``: the A/B of the replay).
 ``--largest-batch``: after the timed steps, the largest batch that fits: a line through the peaks
 at the batch and at twice it (or the one peak) gives an estimate, then one step at each try,
 5 % smaller after every out-of-memory error.
@@ -152,9 +154,15 @@ def main() -> None:
     )
     parser.add_argument("--largest-batch", action="store_true")
     parser.add_argument("--compile", action="store_true", help="fusetune's stack compiled")
+    parser.add_argument("--plain-launches", action="store_true",
+                        help="fusetune's dequantisations launched, not replayed")  # fmt: skip
     args = parser.parse_args()
     if args.compile and (args.variant != "fusetune" or args.gradient_checkpointing):
         parser.error("--compile: the fusetune variant, without --gradient-checkpointing")
+    if args.plain_launches:
+        from fusetune.ops import quant4
+
+        quant4.REPLAY = False
     shape = SHAPES[args.shape]
     batch = args.batch or shape.batch
     model = build(shape, args.variant, args.gradient_checkpointing)
@@ -170,7 +178,8 @@ def main() -> None:
     times = cases_e2e._time_steps(step, torch.device("cuda"), untimed + args.steps)[untimed:]
     median = statistics.median(times)
     result = dict(
-        shape=shape.name, variant=args.variant + ("+compile" if args.compile else ""), batch=batch,
+        shape=shape.name, variant=args.variant + ("+compile" if args.compile else "")
+        + ("+plain-launches" if args.plain_launches else ""), batch=batch,
         gradient_checkpointing=args.gradient_checkpointing, step_ms=median, min_ms=min(times),
         max_ms=max(times), tokens_per_s=batch * SEQ_LEN / median * 1e3,
         peak_gib=torch.cuda.max_memory_allocated() / GIB, weights_gib=fixed,

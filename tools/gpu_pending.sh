@@ -8,6 +8,9 @@
 #     offloaded row was cut by the budget twice), then the 1B b4 step for hf, fusetune, unsloth
 #     and fusetune compiled in one run (NO_COMPILE=1: not the compiled row). First of all the
 #     host cost of a Triton launch and its parts (tools/bench_launch.py, ~30 s).
+#   bash tools/gpu_pending.sh replay    1 GPU, carry .unsloth .bnb (~7 minutes): the 4-bit tests
+#     (the replayed dequantisation's first GPU run), dense() replayed vs plainly launched, then
+#     the QLoRA 1B b4 step: fusetune, fusetune with plain launches, HF, Unsloth, both again.
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU.
@@ -99,6 +102,17 @@ qlora() { # shape batch variant limit [flags]
   timeout "$limit" python3 tools/bench_qlora.py --shape "$shape" --batch "$batch" \
     --variant "$variant" --steps 12 "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep RESULT
 }
+if [ "${1:-}" = replay ]; then  # issue 22: the replayed dequantisation (carry .unsloth .bnb)
+  PYTHONPATH=$PYTHONPATH:tests timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
+    tests/test_quant4.py 2>&1 | tail -4 | tee "$OUT/replay-tests.log"
+  timeout 60 python3 tools/bench_dequant.py 2>&1 | tee "$OUT/dequant.log"
+  for run in fusetune fusetune:--plain-launches hf unsloth fusetune fusetune:--plain-launches; do
+    # shellcheck disable=SC2086
+    qlora llama-3.2-1b 4 "${run%%:*}" 75 --steps 20 $([ "$run" = "${run#*:}" ] || echo "${run#*:}")
+  done
+  echo "done in $SECONDS s"
+  exit 0
+fi
 if [ "${1:-}" = 8b ]; then  # issue 22's 8B rows in one run: Unsloth, fusetune offloaded, in-GPU
   qlora llama-8b 2 unsloth 200 --gradient-checkpointing
   qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload

@@ -2,8 +2,9 @@
 quantisation): a Triton dequantisation into a dense buffer, read in place from the packed codes.
 
 The LoRA ops call :func:`dense` where a dense weight would be read: the frozen 4-bit base is
-dequantised into a fresh buffer for the forward matmul and again for the backward's dx, and no
-dense copy outlives the matmul that reads it (the caching allocator reuses the block). The format
+dequantised for the forward matmul and again for the backward's dx, and no dense copy outlives
+the matmul that reads it. On CUDA each weight's dequantisation is a CUDA graph, replayed into one
+buffer per device and dtype (host time: see "replayed launches"). The format
 and its float64 semantics are in :mod:`fusetune.reference.quant4`.
 
 Measured in NOTES.md (QLoRA): the dequantisation moves 2.5 bytes per element (half a byte read,
@@ -13,7 +14,9 @@ for its matmul at 8192 tokens.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 
 import torch
 
@@ -73,7 +76,14 @@ def _launch(packed, absmax, code, outer_absmax, outer_code, offset, blocksize: i
     # there the kernel writes fp32 and torch rounds, so both paths equal the reference exactly.
     store_dtype = torch.float32 if INTERPRET and dtype != torch.float64 else dtype
     out = _utils.empty(shape, store_dtype, packed.device)
-    n_elements = math.prod(shape)
+    _launch_into(out, packed, absmax, code, outer_absmax, outer_code, offset, blocksize,
+                 outer_blocksize)  # fmt: skip
+    return _utils.cast(out, dtype)
+
+
+def _launch_into(out, packed, absmax, code, outer_absmax, outer_code, offset, blocksize: int,
+                 outer_blocksize: int) -> None:
+    n_elements = out.numel()
     nested = outer_absmax is not None
     placeholder = absmax  # a valid pointer for the branch the constexpr compiles away
     grid = (_utils.cdiv(n_elements, BLOCK),)  # (triton.cdiv is a constexpr function: ~4 us)
@@ -83,7 +93,6 @@ def _launch(packed, absmax, code, outer_absmax, outer_code, offset, blocksize: i
         n_elements, BLOCKSIZE=blocksize, OUTER_BLOCKSIZE=outer_blocksize if nested else 1,
         NESTED=nested, BLOCK=BLOCK,
     )
-    return _utils.cast(out, dtype)
 
 
 def _fake(packed, absmax, code, outer_absmax, outer_code, offset, blocksize, outer_blocksize,
@@ -133,23 +142,137 @@ def dequantize_4bit(weight: torch.Tensor, dtype: torch.dtype | None = None) -> t
     return _dequantize(weight, dtype or weight.quant_state.dtype)
 
 
-def _dequantize(weight: torch.Tensor, dtype: torch.dtype, backward: bool = False) -> torch.Tensor:
+def _dequantize(weight: torch.Tensor, dtype: torch.dtype, backward: bool = False,
+                shared: bool = False) -> torch.Tensor:
+    """``shared``: the result may live in the shared buffer (see below), valid until the next
+    shared dequantisation on its device."""
     # (the packed codes are uint8, which backend() sends to the reference: ask the code table)
-    if _utils.backend(weight.quant_state.code) == "reference":
-        return reference.dequantize_4bit(weight, dtype)
     state = weight.quant_state
+    backend = _utils.backend(state.code)
+    if backend == "reference":
+        return reference.dequantize_4bit(weight, dtype)
+    eager = _utils.plain_eager(state.absmax, state.code)
+    if shared and eager and REPLAY and backend == "triton":
+        out = _replayed(weight, dtype)
+        if out is not None:
+            return out
     tensors = _state_tensors(weight)
     outer_blocksize = state.state2.blocksize if tensors[3] is not None else 1
     args = (*tensors, state.blocksize, outer_blocksize, list(state.shape), dtype)
-    if _utils.plain_eager(tensors[1], tensors[2]):
+    if eager:
         return _launch(*args)
     return _dequantize_4bit_op(*args, int(backward))
+
+
+# ============================================================================ replayed launches
+# Host time: a QLoRA step's forward is host-bound (NOTES: the GPU waits for the host there), and
+# a dequantisation's launch cost ~35-60 us of Python and Triton's launcher on the H100's host
+# for a kernel of ~15 us (Llama-3.2-1B). A weight never changes, so on CUDA in plain eager mode
+# dense() captures its dequantisation once as a CUDA graph and then replays it (a few us).
+#
+# The graphs of one device and dtype write into one shared buffer (the size of the largest
+# weight seen), the buffer a fresh dense weight took before: the LoRA ops read each dense
+# weight in one matmul, enqueued before their next dense(), and stream order does the rest.
+# So a dense() result is valid until the next dense() on its device, on one stream.
+# A weight whose storage moves more than MAX_RECAPTURES times (a sharding engine regathering
+# it, say) goes back to plain launches.
+
+REPLAY = True  # plain launches when False (tools time both)
+MAX_RECAPTURES = 2
+
+
+class _SharedBuffer:
+    """The flat buffer the graphs of one device and dtype write into."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+    def at_least(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.tensor is None or self.tensor.numel() < numel:
+            self.tensor = torch.empty(numel, dtype=dtype, device=device)  # graphs on the old
+        return self.tensor  # buffer keep it alive until they are captured again
+
+
+class _Replay:
+    """One weight's captured dequantisation into ``shared``, and what it was captured from."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, shared: _SharedBuffer,
+                 recaptures: int) -> None:
+        state = weight.quant_state
+        # weakly: the record dies with the weight (the packed codes are the weight, or a view)
+        self.weight = weakref.ref(weight, _forget((id(weight), dtype)))
+        self.state, self.recaptures, self.shared = state, recaptures, shared
+        self.pointers = _pointers(weight)
+        packed, *scales = _state_tensors(weight)
+        self.scales = scales  # (a float offset becomes a tensor: the graph reads this one)
+        outer_blocksize = state.state2.blocksize if scales[2] is not None else 1
+        numel = math.prod(state.shape)
+        self.buffer = shared.at_least(numel, dtype, weight.device)
+        self.out = self.buffer[:numel].view(list(state.shape))
+        launch = functools.partial(_launch_into, self.out, packed, *scales, state.blocksize,
+                                   outer_blocksize)  # fmt: skip
+        launch()  # outside the capture: compiles the kernel; this call's result
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(weight.device)
+        side.wait_stream(torch.cuda.current_stream(weight.device))
+        with torch.cuda.stream(side):
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                self.graph.capture_end()
+
+    def current(self, weight: torch.Tensor) -> bool:
+        """True when the graph still reads ``weight``'s storage and writes the shared buffer."""
+        return (self.weight() is weight and self.state is weight.quant_state
+                and self.pointers == _pointers(weight) and self.buffer is self.shared.tensor)
+
+
+_NOT_SEEN = object()
+_replays: dict[tuple[int, torch.dtype], _Replay | None] = {}  # None: plain launches
+_shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (device, dtype) -> buffer
+
+
+def _pointers(weight: torch.Tensor) -> tuple[int, int]:
+    return weight.data_ptr(), weight.quant_state.absmax.data_ptr()
+
+
+def _forget(key: tuple[int, torch.dtype]):
+    return lambda _: _replays.pop(key, None)
+
+
+def _replayed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``weight`` dequantised to ``dtype`` into the shared buffer by its replayed graph; None
+    where it is not replayed (see above), and while a graph is being captured."""
+    key = (id(weight), dtype)
+    replay = _replays.get(key, _NOT_SEEN)
+    if replay is None or torch.cuda.is_current_stream_capturing():
+        return None
+    if replay is not _NOT_SEEN and replay.current(weight):
+        replay.graph.replay()
+        return replay.out
+    recaptures = 0
+    if replay is not _NOT_SEEN:  # captured for another storage, or before the buffer grew
+        moved = replay.weight() is not weight or replay.pointers != _pointers(weight)
+        recaptures = replay.recaptures + moved
+        if recaptures > MAX_RECAPTURES:
+            _replays[key] = None
+            return None
+    shared = _shared.get((weight.device.index, dtype))
+    if shared is None:
+        shared = _shared[(weight.device.index, dtype)] = _SharedBuffer()
+    replay = _replays[key] = _Replay(weight, dtype, shared, recaptures)
+    return replay.out
 
 
 def dense(weight: torch.Tensor, dtype: torch.dtype, *, backward: bool = False) -> torch.Tensor:
     """``weight`` as a dense tensor in ``dtype`` (see :func:`fusetune.reference.quant4.dense`):
     a 4-bit weight dequantised to the dtype it stands for, then cast. ``backward``: called from
-    a backward (a traced backward's dequantisation is kept apart from the forward's)."""
+    a backward (a traced backward's dequantisation is kept apart from the forward's).
+
+    On CUDA in eager mode a 4-bit weight's result may be the shared buffer of its device (see
+    "replayed launches"): read it before the next dense() call on that device, on one stream."""
     if is_4bit(weight):
-        return _utils.cast(_dequantize(weight, weight.quant_state.dtype, backward), dtype)
+        dense_weight = _dequantize(weight, weight.quant_state.dtype, backward, shared=True)
+        return _utils.cast(dense_weight, dtype)
     return _utils.cast(weight, dtype)
