@@ -10,7 +10,8 @@
 #     host cost of a Triton launch and its parts (tools/bench_launch.py, ~30 s).
 #   bash tools/gpu_pending.sh replay    1 GPU, carry .unsloth .bnb (~7 minutes): the 4-bit tests
 #     (the replayed dequantisation's first GPU run), dense() replayed vs plainly launched, then
-#     the QLoRA 1B b4 step: fusetune, fusetune with plain launches, HF, Unsloth, both again.
+#     the QLoRA 1B b4 step: fusetune, HF, Unsloth, fusetune with plain launches, fusetune
+#     (NO_TESTS=1: the steps alone, for a fresh machine; RUNS=... to choose).
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU.
@@ -103,12 +104,13 @@ qlora() { # shape batch variant limit [flags]
     --variant "$variant" --steps 12 "$@" 2>&1 | tee -a "$OUT/qlora.log" | grep RESULT
 }
 if [ "${1:-}" = replay ]; then  # issue 22: the replayed dequantisation (carry .unsloth .bnb)
-  PYTHONPATH=$PYTHONPATH:tests timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
+  [ -n "${NO_TESTS:-}" ] || PYTHONPATH=$PYTHONPATH:tests timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
     tests/test_quant4.py 2>&1 | tail -4 | tee "$OUT/replay-tests.log"
-  timeout 60 python3 tools/bench_dequant.py 2>&1 | tee "$OUT/dequant.log"
-  for run in fusetune fusetune:--plain-launches hf unsloth fusetune fusetune:--plain-launches; do
+  [ -n "${NO_TESTS:-}" ] || timeout 60 python3 tools/bench_dequant.py 2>&1 | tee "$OUT/dequant.log"
+  for run in ${RUNS:-fusetune hf unsloth fusetune:--plain-launches fusetune}; do
     # shellcheck disable=SC2086
-    qlora llama-3.2-1b 4 "${run%%:*}" 75 --steps 20 $([ "$run" = "${run#*:}" ] || echo "${run#*:}")
+    qlora llama-3.2-1b 4 "${run%%:*}" $([ "$run" = unsloth ] && echo 170 || echo 75) --steps 20 \
+      $([ "$run" = "${run#*:}" ] || echo "${run#*:}")
   done
   echo "done in $SECONDS s"
   exit 0
