@@ -14,7 +14,7 @@
 #     (NO_TESTS=1: the steps alone, for a fresh machine; RUNS=... to choose).
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
-#     fusetune in-GPU.
+#     fusetune in-GPU (OFFLOAD_ONLY=1: not the in-GPU row).
 #   bash tools/gpu_pending.sh long      1 GPU, carry .unsloth .bnb .peers (63 MiB; ~9 minutes a
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
@@ -118,7 +118,7 @@ fi
 if [ "${1:-}" = 8b ]; then  # issue 22's 8B rows in one run: Unsloth, fusetune offloaded, in-GPU
   qlora llama-8b 2 unsloth 200 --gradient-checkpointing
   qlora llama-8b 2 fusetune 150 --gradient-checkpointing offload
-  qlora llama-8b 2 fusetune 150 --gradient-checkpointing
+  [ -n "${OFFLOAD_ONLY:-}" ] || qlora llama-8b 2 fusetune 150 --gradient-checkpointing
   echo "done in $SECONDS s"
   exit 0
 fi
