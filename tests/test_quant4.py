@@ -136,11 +136,11 @@ def test_dense_replays_each_weights_graph_into_one_shared_buffer():
         got = quant4_ops.dense(small, BF16)
         assert torch.equal(got, fusetune.dequantize_4bit(small))
         replay = quant4_ops._replays[(id(small), BF16)]
-        assert (replay is None) == (moves > quant4_ops.MAX_RECAPTURES), moves
+        assert (replay.graph is None) == (moves > quant4_ops.MAX_RECAPTURES), moves
     assert got.data_ptr() != replays[1].out.data_ptr()  # a plain launch's own tensor
-    key = (id(large), BF16)
-    del large, replays
-    assert key not in quant4_ops._replays
+    keys = [(id(large), BF16), (id(small), BF16)]
+    del large, small, weight, replays, replay
+    assert not any(key in quant4_ops._replays for key in keys)
 
 
 def test_no_dense_copy_of_the_4bit_weight_is_saved():

@@ -174,8 +174,8 @@ def _dequantize(weight: torch.Tensor, dtype: torch.dtype, backward: bool = False
 # weight seen), the buffer a fresh dense weight took before: the LoRA ops read each dense
 # weight in one matmul, enqueued before their next dense(), and stream order does the rest.
 # So a dense() result is valid until the next dense() on its device, on one stream.
-# A weight whose storage moves more than MAX_RECAPTURES times (a sharding engine regathering
-# it, say) goes back to plain launches.
+# A weight whose storage or quantisation state changes more than MAX_RECAPTURES times (a
+# sharding engine regathering it, say) goes back to plain launches.
 
 REPLAY = True  # plain launches when False (tools time both)
 MAX_RECAPTURES = 2
@@ -228,8 +228,13 @@ class _Replay:
                 and self.pointers == _pointers(weight) and self.buffer is self.shared.tensor)
 
 
+    def give_up(self) -> None:
+        """Plain launches for this weight from now on (the record stays: it dies with it)."""
+        self.graph = self.buffer = self.out = self.scales = None
+
+
 _NOT_SEEN = object()
-_replays: dict[tuple[int, torch.dtype], _Replay | None] = {}  # None: plain launches
+_replays: dict[tuple[int, torch.dtype], _Replay] = {}
 _shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (device, dtype) -> buffer
 
 
@@ -246,17 +251,18 @@ def _replayed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     where it is not replayed (see above), and while a graph is being captured."""
     key = (id(weight), dtype)
     replay = _replays.get(key, _NOT_SEEN)
-    if replay is None or torch.cuda.is_current_stream_capturing():
+    seen = replay is not _NOT_SEEN
+    if (seen and replay.graph is None) or torch.cuda.is_current_stream_capturing():
         return None
-    if replay is not _NOT_SEEN and replay.current(weight):
+    if seen and replay.current(weight):
         replay.graph.replay()
         return replay.out
     recaptures = 0
-    if replay is not _NOT_SEEN:  # captured for another storage, or before the buffer grew
-        moved = replay.weight() is not weight or replay.pointers != _pointers(weight)
+    if seen:  # captured for another storage or state, or into a smaller buffer
+        moved = replay.state is not weight.quant_state or replay.pointers != _pointers(weight)
         recaptures = replay.recaptures + moved
         if recaptures > MAX_RECAPTURES:
-            _replays[key] = None
+            replay.give_up()
             return None
     shared = _shared.get((weight.device.index, dtype))
     if shared is None:
