@@ -21,18 +21,13 @@ from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
 from fusetune.bench.cases_gated_delta_rule import _inputs
 from fusetune.ops.linear_attention import gdr_chunk
 
-VARIANTS = {  # (dropped after 2026-11-27, each slower: bwd_chunk at 4 warps, wy / output at 8)
+VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps, wy / output
+    # at 8; 2026-11-27 eleventh, H100: bwd_chunk BVA 64 8.50 / 22.53 ms vs 7.73 / 21.02, states
+    # and dstates at num_stages 2 9.17 / 23.25)
     "launcher's settings": {},
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
-    # 64 value columns a step of bwd_chunk's loop (two steps at V = 128): since dA's sum became
-    # dD D^T it fits (offline: 180224 bytes of shared memory, as at 32; spill 1952 B vs 1888)
-    "bwd_chunk BVA 64": {"bwd_chunk_kernel": dict(BVA=64)},
-    "states, dstates stages 2": {
-        "states_kernel": dict(num_stages=2),
-        "dstates_kernel": dict(num_stages=2),
-    },
 }
 
 

@@ -19,13 +19,10 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~7 minutes): FIRST JOB. The GDR GPU tests
-#     (the forward without the T store has not run on a GPU), then the launch sweep at both bench
-#     shapes (its "bwd_chunk BVA 64" variant is untimed: 64 value columns a step fit since dA's
-#     sum became dD D^T).
+#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): the GDR GPU tests, then the
+#     launch sweep at both bench shapes (run 2026-11-27 eleventh: the launcher's settings best).
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
-#     with FLA in the same run on an H100 (the tenth session's table was an H200's, before
-#     dstates went to 8 warps).
+#     with FLA in the same run (run 2026-11-27 eleventh on an H100).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
