@@ -388,6 +388,31 @@ def test_dot_mode_names(monkeypatch):
             gdr_chunk.dot_mode(torch.float32)
 
 
+def test_state_copies_are_bf16_for_bf16_inputs_only(monkeypatch):
+    """The per-chunk copies of S0 and dS (the sequential kernels carry fp32) are bf16 for bf16
+    inputs with tf32 products, fp32 otherwise; a bf16 run allocates them so (their accuracy:
+    the matrix tests, within bf16's tolerance)."""
+    tf32, split3, ieee = (gdr_chunk.DOT_MODES[mode] for mode in ("tf32", "split3", "ieee"))
+    assert gdr_chunk.state_dtype(torch.bfloat16, tf32) == torch.bfloat16
+    for dtype, dot in ((torch.bfloat16, split3), (torch.bfloat16, ieee),
+                       (torch.float16, split3), (torch.float32, tf32)):  # fmt: skip
+        assert gdr_chunk.state_dtype(dtype, dot) == torch.float32
+    monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
+    inputs = make_inputs(batch=1, seq_len=130, key_dim=16, value_dim=16, initial_state=False)
+    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
+    g, beta = (inputs[n].to(DEVICE, torch.bfloat16) for n in ("g", "beta"))
+    allocated = []
+    empty = fusetune._utils.empty
+    monkeypatch.setattr(fusetune._utils, "empty",
+                        lambda shape, dtype, device: allocated.append((tuple(shape), dtype))
+                        or empty(shape, dtype, device))  # fmt: skip
+    o, _ = fusetune.gated_delta_rule(*leaves, g, beta)
+    o.float().sum().backward()
+    # [chunks, heads, K, V]: the forward's S0, the backward's S0 and dS (dh0 is [1, ...])
+    states = [dtype for shape, dtype in allocated if shape[1:] == (2, 16, 16) and shape[0] > 1]
+    assert states == ([torch.bfloat16] * 3 if uses_kernels(leaves[0]) else []), allocated
+
+
 SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, options)
     "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),

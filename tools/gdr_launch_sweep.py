@@ -28,6 +28,8 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
+    # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now
+    "fp32 state copies": {"state_dtype": lambda dtype, dot: torch.float32},
 }
 
 
@@ -53,20 +55,28 @@ def main() -> None:
     leaves = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
     grad_out = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     originals = {name: getattr(gdr_chunk, name) for name in vars(gdr_chunk) if "kernel" in name}
+    state_dtype = gdr_chunk.state_dtype
     print(f"B{args.batch} T{args.seq_len} H{HEADS} D{DIM} bf16 l2norm, median of {args.repeats}")
     for label, overrides in VARIANTS.items():
         for name, kernel in originals.items():
             setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
+        gdr_chunk.state_dtype = overrides.get("state_dtype", state_dtype)
         fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
         try:
             both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
             fwd = timed(fwd_only, args.repeats)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         except Exception as error:  # noqa: BLE001 (out of resources: report, go on)
             print(f"{label:28s} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
             continue
-        print(f"{label:28s} fwd+bwd {min(both):7.2f} ms  fwd {fwd:6.2f} ms", flush=True)
+        print(f"{label:28s} fwd+bwd {min(both):7.2f} ms  fwd {fwd:6.2f} ms  "
+              f"peak +{peak:6.0f} MiB", flush=True)  # fmt: skip
     for name, kernel in originals.items():
         setattr(gdr_chunk, name, kernel)
+    gdr_chunk.state_dtype = state_dtype
 
 
 if __name__ == "__main__":

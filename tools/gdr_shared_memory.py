@@ -25,6 +25,7 @@ import tempfile
 
 os.environ.pop("FUSETUNE_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -55,6 +56,11 @@ def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool
             signature[name] = "i32"
         elif name in INPUTS:
             signature[name] = "*" + dtype.replace("l2norm", "bf16")
+        elif name in ("h_buf", "dh_buf"):  # the launcher's state_dtype (GDR_STATES=fp32: not)
+            inputs = {"fp32": torch.float32, "fp16": torch.float16}.get(dtype, torch.bfloat16)
+            bf16 = gdr_chunk.state_dtype(inputs, consts["DOT"]) == torch.bfloat16
+            keep = os.environ.get("GDR_STATES") == "fp32"
+            signature[name] = "*bf16" if bf16 and not keep else "*fp32"
         else:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=1)

@@ -19,10 +19,11 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): the GDR GPU tests, then the
-#     launch sweep at both bench shapes (run 2026-11-27 eleventh: the launcher's settings best).
+#   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
+#     (the bf16 per-chunk S0 / dS copies of 2026-11-27 eleventh have not run on a GPU), then the
+#     launch sweep at both bench shapes (its "fp32 state copies" row is the code before them).
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
-#     with FLA in the same run (run 2026-11-27 eleventh on an H100).
+#     with FLA in the same run (issue 20's memory target: at or below FLA's).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
