@@ -21,6 +21,7 @@ from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
 from fusetune.bench.cases_gated_delta_rule import _inputs
 from fusetune.ops.linear_attention import gdr_chunk
 
+STATE_DTYPE = gdr_chunk.state_dtype  # (the launcher's rule; variants replace it while timed)
 VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps, wy / output
     # at 8; 2026-11-27 eleventh, H100: bwd_chunk BVA 64 8.50 / 22.53 ms vs 7.73 / 21.02, states
     # and dstates at num_stages 2 9.17 / 23.25)
@@ -28,8 +29,11 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
-    # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now
-    "fp32 state copies": {"state_dtype": lambda dtype, dot: torch.float32},
+    # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now; and dS's
+    # alone in fp32 (dstates_kernel's bf16 store spilled more offline: 192 -> 520 B)
+    "fp32 state copies": {"state_dtype": lambda dtype, dot, gradient=False: torch.float32},
+    "fp32 dS copies": {"state_dtype": lambda dtype, dot, gradient=False: (
+        torch.float32 if gradient else STATE_DTYPE(dtype, dot))},
 }
 
 
@@ -55,12 +59,11 @@ def main() -> None:
     leaves = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
     grad_out = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     originals = {name: getattr(gdr_chunk, name) for name in vars(gdr_chunk) if "kernel" in name}
-    state_dtype = gdr_chunk.state_dtype
     print(f"B{args.batch} T{args.seq_len} H{HEADS} D{DIM} bf16 l2norm, median of {args.repeats}")
     for label, overrides in VARIANTS.items():
         for name, kernel in originals.items():
             setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
-        gdr_chunk.state_dtype = overrides.get("state_dtype", state_dtype)
+        gdr_chunk.state_dtype = overrides.get("state_dtype", STATE_DTYPE)
         fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
         try:
             both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
@@ -76,7 +79,7 @@ def main() -> None:
               f"peak +{peak:6.0f} MiB", flush=True)  # fmt: skip
     for name, kernel in originals.items():
         setattr(gdr_chunk, name, kernel)
-    gdr_chunk.state_dtype = state_dtype
+    gdr_chunk.state_dtype = STATE_DTYPE
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ class _ChunkRun:
         # Each chunk's start state (and in the backward the state gradient) as stored for the
         # per-chunk kernels: in bf16 for bf16 inputs (tf32 products), as FLA stores them; the
         # sequential kernels carry the states in fp32 and round each chunk's copy once.
-        self.state_dtype = gdr_chunk.state_dtype(v.dtype, dot)
-        self.h_buf = _utils.empty(self.state_shape, self.state_dtype, device)
+        self.h_buf = _utils.empty(self.state_shape, gdr_chunk.state_dtype(v.dtype, dot), device)
+        self.grad_dtype = gdr_chunk.state_dtype(v.dtype, dot, gradient=True)  # dS's copies
         smallest = gdr_chunk.min_block(dot)
         if self.bt < smallest and not _utils.INTERPRET:
             raise ValueError("FUSETUNE_GDR_CHUNK=16 needs FUSETUNE_GDR_DOT=ieee: tensor-core "
@@ -193,7 +193,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
     run.states(plan, k, v, g, beta, h0, None, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
-    dh_buf = _utils.empty(run.state_shape, run.state_dtype, device)
+    dh_buf = _utils.empty(run.state_shape, run.grad_dtype, device)
     gdr_chunk.dstates_kernel[run.column_grid](
         q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,

@@ -140,11 +140,12 @@ def dot_mode(dtype: torch.dtype, shared_memory: int | None = None) -> int:
     return DOT_MODES[mode]
 
 
-def state_dtype(dtype: torch.dtype, dot: int) -> torch.dtype:
-    """The dtype the chunked kernels store each chunk's start state S0 and state gradient dS in
-    for inputs of ``dtype`` with products of mode ``dot``: bf16 for bf16 inputs in tf32 mode,
-    else fp32. A bf16 copy is rounded once (2^-9) from the fp32 state the sequential kernels
-    carry, and is exact in the products it feeds: with a bf16 input tile (Q S0, dO S0^T) a bf16
+def state_dtype(dtype: torch.dtype, dot: int, gradient: bool = False) -> torch.dtype:
+    """The dtype the chunked kernels store each chunk's start state S0 (``gradient``: the state
+    gradient dS) in for inputs of ``dtype`` with products of mode ``dot``: bf16 for bf16 inputs
+    in tf32 mode, else fp32 (one rule for both; the argument lets tools time them apart). A
+    bf16 copy is rounded once (2^-9) from the fp32 state the sequential kernels carry, and is
+    exact in the products it feeds: with a bf16 input tile (Q S0, dO S0^T) a bf16
     tensor-core product, with an fp32 tile tf32's (bf16's 8 mantissa bits fit tf32's 10).
     Half the memory and traffic of the largest buffers (B4 T4096 H16 D128: 256 MiB each)."""
     return torch.bfloat16 if dtype == torch.bfloat16 and dot == DOT_MODES["tf32"] else torch.float32
