@@ -12,6 +12,9 @@
 #     (the replayed dequantisation's first GPU run), dense() replayed vs plainly launched, then
 #     the QLoRA 1B b4 step: fusetune, HF, Unsloth, fusetune with plain launches, fusetune
 #     (NO_TESTS=1: the steps alone, for a fresh machine; RUNS=... to choose).
+#   bash tools/gpu_pending.sh graph     1 GPU, carry .bnb (~5 minutes): the Llama-3.2-1B b4 LoRA and
+#     QLoRA steps eager and as one CUDA graph of the whole step (tools/graph_step.py): how much
+#     of each step is host time, before building a graphed step into fusetune.
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU (OFFLOAD_ONLY=1: not the in-GPU row).
@@ -109,6 +112,15 @@ if [ "${1:-}" = replay ]; then  # issue 22: the replayed dequantisation (carry .
     # shellcheck disable=SC2086
     qlora llama-3.2-1b 4 "${run%%:*}" $([ "$run" = unsloth ] && echo 170 || echo 75) --steps 20 \
       $([ "$run" = "${run#*:}" ] || echo "${run#*:}")
+  done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = graph ]; then  # issues 18 and 22: the whole LoRA step as one CUDA graph
+  for flags in "" "--qlora"; do
+    # shellcheck disable=SC2086
+    PYTHONPATH=$PYTHONPATH:tools timeout 240 python3 tools/graph_step.py $flags 2>&1 \
+      | grep -v Warning | tee -a "$OUT/graph-step.log"
   done
   echo "done in $SECONDS s"
   exit 0
