@@ -188,9 +188,11 @@ class _SharedBuffer:
         self.tensor: torch.Tensor | None = None
 
     def at_least(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # (a grown buffer replaces the old one here; graphs captured on the old one keep it
+        # alive until they are captured again)
         if self.tensor is None or self.tensor.numel() < numel:
-            self.tensor = torch.empty(numel, dtype=dtype, device=device)  # graphs on the old
-        return self.tensor  # buffer keep it alive until they are captured again
+            self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        return self.tensor
 
 
 class _Replay:
@@ -222,11 +224,14 @@ class _Replay:
             finally:
                 self.graph.capture_end()
 
+    def moved(self, weight: torch.Tensor) -> bool:
+        """True when ``weight``'s storage or quantisation state is not what was captured."""
+        return self.state is not weight.quant_state or self.pointers != _pointers(weight)
+
     def current(self, weight: torch.Tensor) -> bool:
         """True when the graph still reads ``weight``'s storage and writes the shared buffer."""
-        return (self.weight() is weight and self.state is weight.quant_state
-                and self.pointers == _pointers(weight) and self.buffer is self.shared.tensor)
-
+        return (self.weight() is weight and not self.moved(weight)
+                and self.buffer is self.shared.tensor)
 
     def give_up(self) -> None:
         """Plain launches for this weight from now on (the record stays: it dies with it)."""
@@ -259,14 +264,11 @@ def _replayed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return replay.out
     recaptures = 0
     if seen:  # captured for another storage or state, or into a smaller buffer
-        moved = replay.state is not weight.quant_state or replay.pointers != _pointers(weight)
-        recaptures = replay.recaptures + moved
+        recaptures = replay.recaptures + replay.moved(weight)
         if recaptures > MAX_RECAPTURES:
             replay.give_up()
             return None
-    shared = _shared.get((weight.device.index, dtype))
-    if shared is None:
-        shared = _shared[(weight.device.index, dtype)] = _SharedBuffer()
+    shared = _shared.setdefault((weight.device.index, dtype), _SharedBuffer())
     replay = _replays[key] = _Replay(weight, dtype, shared, recaptures)
     return replay.out
 
