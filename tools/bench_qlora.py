@@ -154,11 +154,15 @@ def main() -> None:
     )
     parser.add_argument("--largest-batch", action="store_true")
     parser.add_argument("--compile", action="store_true", help="fusetune's stack compiled")
+    parser.add_argument("--graph", action="store_true",
+                        help="the step as one CUDA graph (fusetune.graph_train_step)")  # fmt: skip
     parser.add_argument("--plain-launches", action="store_true",
                         help="fusetune's dequantisations launched, not replayed")  # fmt: skip
     args = parser.parse_args()
     if args.compile and (args.variant != "fusetune" or args.gradient_checkpointing):
         parser.error("--compile: the fusetune variant, without --gradient-checkpointing")
+    if args.graph and args.variant == "unsloth":
+        parser.error("--graph: the fusetune and hf variants (fusetune.graph_train_step)")
     if args.plain_launches:
         from fusetune.ops import quant4
 
@@ -173,12 +177,13 @@ def main() -> None:
     fixed = torch.cuda.memory_allocated() / GIB
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (batch, SEQ_LEN), device="cuda")
-    step = cases_e2e.make_step(model, ids)
-    untimed = 4 if args.compile else 2  # the compiled stack's first steps compile
+    step = cases_e2e.make_step(model, ids, graph=args.graph)
+    untimed = 4 if args.compile or args.graph else 2  # compiling; the graph's 3 eager steps
     times = cases_e2e._time_steps(step, torch.device("cuda"), untimed + args.steps)[untimed:]
     median = statistics.median(times)
     result = dict(
         shape=shape.name, variant=args.variant + ("+compile" if args.compile else "")
+        + ("+graph" if args.graph else "")
         + ("+plain-launches" if args.plain_launches else ""), batch=batch,
         gradient_checkpointing=args.gradient_checkpointing, step_ms=median, min_ms=min(times),
         max_ms=max(times), tokens_per_s=batch * SEQ_LEN / median * 1e3,

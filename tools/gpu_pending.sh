@@ -15,6 +15,8 @@
 #   bash tools/gpu_pending.sh graph     1 GPU, carry .bnb (~5 minutes): the Llama-3.2-1B b4 LoRA and
 #     QLoRA steps eager and as one CUDA graph of the whole step (tools/graph_step.py): how much
 #     of each step is host time, before building a graphed step into fusetune.
+#   bash tools/gpu_pending.sh graphed   1 GPU, carry .unsloth .bnb (~8 minutes): the QLoRA 1B b4 step
+#     eager and through fusetune.graph_train_step beside HF and Unsloth, then its tests.
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU (OFFLOAD_ONLY=1: not the in-GPU row).
@@ -45,7 +47,8 @@ if [ "${1:-}" = long ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k inductor 2>&1 \
     | tail -3 | tee "$OUT/compiled.log"
   for shape in ${SHAPES:-llama-3.2-1b llama-8b}; do
-    timeout 400 python3 tools/long_context.py --shapes "$shape" --timeout 100 --limit 262144 \
+    timeout 400 python3 tools/long_context.py --shapes "$shape" --timeout ${VARIANT_S:-100} --limit 262144 \
+      --max-step-s ${MAX_STEP_S:-20} \
       --variants ${VARIANTS:-hf+peft hf+peft+liger hf+peft+fusetune hf+peft+fusetune+offload unsloth} \
       2>&1 | tee -a "$OUT/long_context.log"
   done
@@ -113,6 +116,17 @@ if [ "${1:-}" = replay ]; then  # issue 22: the replayed dequantisation (carry .
     qlora llama-3.2-1b 4 "${run%%:*}" $([ "$run" = unsloth ] && echo 170 || echo 75) --steps 20 \
       $([ "$run" = "${run#*:}" ] || echo "${run#*:}")
   done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = graphed ]; then  # issue 22: fusetune.graph_train_step beside the peers, then its tests
+  for run in ${RUNS:-fusetune fusetune:--graph hf unsloth}; do
+    # shellcheck disable=SC2086
+    qlora llama-3.2-1b 4 "${run%%:*}" $([ "$run" = unsloth ] && echo 170 || echo 75) --steps 20 \
+      $([ "$run" = "${run#*:}" ] || echo "${run#*:}")
+  done
+  PYTHONPATH=$PYTHONPATH:tests timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_graphed_step.py 2>&1 | tail -15 | tee "$OUT/graphed-tests.log"
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -65,6 +65,7 @@ def worker(
     device = torch.device("cuda")
     cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
     model = build(SHAPES[shape_key], variant, device, limit)
+    fits(model, 2048, device)  # warm-up: compilation and autotuning are not a step's time
     good, bad, seconds = 0, None, None
     length = start
     # double until out of memory, or until the next step would take longer than max_step_s

@@ -11,6 +11,7 @@ from fusetune import (
     reference,
 )
 from fusetune._utils import backend
+from fusetune.graphed_step import graph_train_step
 from fusetune.integrations.transformers import apply, compile_layers, revert
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.causal_conv1d import causal_conv1d
@@ -41,6 +42,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_slot_attention",
     "geglu",
+    "graph_train_step",
     "grpo_loss",
     "gsa",
     "linear_cross_entropy",

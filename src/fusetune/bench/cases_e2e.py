@@ -63,10 +63,11 @@ SEQ_LEN = 2048
 RANK, ALPHA = 16, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+compile", "unsloth",
-            "hf+peft+compile", "hf+peft+compile+fused-loss")  # fmt: skip
+            "hf+peft+compile", "hf+peft+compile+fused-loss", "hf+peft+fusetune+graph")  # fmt: skip
 # +compile: the decoder stack compiled (opt-in): fusetune's layers, plain PEFT's (torch.compile's
 # own step), or plain PEFT's with fusetune's fused loss alone (fused-loss); unsloth where it is
-# installed (default_variants()).
+# installed (default_variants()). +graph: the whole step replayed from one CUDA graph
+# (fusetune.graph_train_step, opt-in: fixed shapes).
 DEFAULT_VARIANTS = VARIANTS[:3]
 GIB = float(1024**3)
 RESULT_TAG = "E2E_RESULT "
@@ -307,12 +308,21 @@ STEP_PHASES = ("forward", "backward", "optimizer")
 
 
 def make_step(
-    model: torch.nn.Module, input_ids: torch.Tensor, mark_phases: bool = False
+    model: torch.nn.Module, input_ids: torch.Tensor, mark_phases: bool = False, graph: bool = False
 ) -> Callable[[], torch.Tensor]:
     """One training step on ``input_ids`` (labels = inputs); returns the loss, unsynced.
     ``mark_phases``: each phase a profiler range named as in ``STEP_PHASES`` (tools/gpu_idle.py
-    charges the GPU's idle time to them; off, the step is the bench's, unmarked)."""
+    charges the GPU's idle time to them; off, the step is the bench's, unmarked). ``graph``:
+    the same step through fusetune.graph_train_step (CUDA; its first 3 calls run eagerly)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if graph:
+        from fusetune.graphed_step import graph_train_step
+
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True,
+                                      capturable=True)  # fmt: skip
+        model.train()
+        graphed = graph_train_step(model, optimizer, input_ids, autocast_dtype=torch.bfloat16)
+        return lambda: graphed(input_ids)
     fused = input_ids.device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=fused)
     autocast = input_ids.device.type == "cuda"
@@ -380,7 +390,8 @@ def measure(
     model = build(shape, variant, device, tiny)
     vocab = model.config.vocab_size
     input_ids = torch.randint(0, vocab, (batch, seq_len), device=device)
-    step = make_step(model, input_ids)
+    graph = variant.endswith("+graph")
+    step = make_step(model, input_ids, graph=graph)
     first = _time_steps(step, device, 1)[0]
     _time_steps(step, device, max(0, warmup - 1))
     times = _time_steps(step, device, steps)
@@ -402,7 +413,7 @@ def measure(
         peak = torch.cuda.max_memory_allocated(device) - base
         fixed = torch.cuda.memory_allocated(device) - base  # weights, adapters, AdamW state
         result.update(peak_gib=peak / GIB, fixed_gib=fixed / GIB)
-        if max_batch != "off":
+        if max_batch != "off" and not graph:  # (a graph's pool holds the step's memory)
             per_sequence = max(peak - fixed, 1) / batch
             estimate = int((free_before * MEMORY_HEADROOM - fixed) // per_sequence)
             result.update(per_sequence_gib=per_sequence / GIB, max_batch_estimate=estimate)
@@ -410,7 +421,8 @@ def measure(
                 del input_ids, step
                 result.update(_verify_max_batch(model, estimate, seq_len, vocab, device, base))
     if profile and cuda:
-        result["profile"] = profile_step(make_step(model, _ids(batch, seq_len, vocab, device)))
+        ids = _ids(batch, seq_len, vocab, device)
+        result["profile"] = profile_step(step if graph else make_step(model, ids))
         result["profile"]["wall_ms"] = result.get("step_ms")
     return result
 

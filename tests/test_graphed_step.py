@@ -1,0 +1,154 @@
+"""fusetune.graph_train_step: the whole step replayed from one CUDA graph trains as the same
+step run eagerly (twins from one seed, fresh batches each step), replays without Python, follows
+a tensor learning rate, and refuses what a graph cannot do, naming the argument.
+
+The CUDA cases run in the GPU pass only (a CUDA graph needs a GPU); the argument checks run
+everywhere."""
+
+import peft
+import pytest
+import torch
+import transformers
+
+import fusetune
+from harness import DEVICE
+
+CUDA = pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA graph needs a GPU")
+BATCH, SEQ, VOCAB, STEPS = 2, 24, 96, 7
+
+
+def tiny_lora_llama(fused: bool, dtype=torch.float32):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE, dtype)
+    model.config.use_cache = False
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+    model = peft.get_peft_model(model, lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: A would get no gradient
+            torch.nn.init.normal_(param, std=0.2)
+    if fused:
+        fusetune.apply(model)
+    return model
+
+
+def adamw(model, lr, capturable=True):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, capturable=capturable)
+
+
+def batches(count):
+    """Two batches in turn: each call brings other data, and the loss can fall."""
+    generator = torch.Generator().manual_seed(1)
+    pool = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(2)]
+    for index in range(count):
+        ids = pool[index % 2].to(DEVICE)
+        labels = ids.clone()
+        labels[:, : SEQ // 3] = -100  # a prompt: no loss on it
+        yield ids, labels
+
+
+def eager_losses(model, optimizer, autocast_dtype, max_grad_norm, lrs=None):
+    losses = []
+    for index, (ids, labels) in enumerate(batches(STEPS)):
+        if lrs is not None:
+            optimizer.param_groups[0]["lr"].fill_(lrs[index])
+        with torch.autocast("cuda", dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):  # fmt: skip
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], max_grad_norm, foreach=True
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def graphed_losses(model, optimizer, autocast_dtype, max_grad_norm, lrs=None):
+    first_ids, first_labels = next(batches(1))
+    step = fusetune.graph_train_step(model, optimizer, first_ids, first_labels,
+                                     autocast_dtype=autocast_dtype, max_grad_norm=max_grad_norm,
+                                     warmup=2)  # fmt: skip
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    losses = []
+    for index, (ids, labels) in enumerate(batches(STEPS)):
+        if lrs is not None:
+            optimizer.param_groups[0]["lr"].fill_(lrs[index])
+        losses.append(float(step(ids, labels)))
+    assert step.captured
+    # 2 eager warm-up steps and the capture ran Python; the other 4 steps were replays
+    assert len(forwards) == 3, len(forwards)
+    return losses
+
+
+@CUDA
+@pytest.mark.parametrize(
+    "fused,autocast_dtype,max_grad_norm",
+    [(True, None, 0.0), (False, None, 0.5), (True, torch.bfloat16, 1.0)],
+    ids=["fusetune-fp32", "peft-fp32-clipped", "fusetune-bf16-autocast-clipped"],
+)
+def test_graphed_step_trains_as_the_eager_step(fused, autocast_dtype, max_grad_norm):
+    eager_model, graph_model = tiny_lora_llama(fused), tiny_lora_llama(fused)
+    eager = eager_losses(eager_model, adamw(eager_model, 3e-2), autocast_dtype, max_grad_norm)
+    graph = graphed_losses(graph_model, adamw(graph_model, 3e-2), autocast_dtype, max_grad_norm)
+    tol = 1e-5 if autocast_dtype is None else 2e-2
+    assert eager[-1] < eager[0] - 0.03, eager  # it trains
+    torch.testing.assert_close(torch.tensor(graph), torch.tensor(eager), rtol=tol, atol=tol)
+    for (name, want), got in zip(eager_model.named_parameters(), graph_model.parameters(),
+                                 strict=True):  # fmt: skip
+        if want.requires_grad:
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
+
+
+@CUDA
+def test_a_tensor_lr_follows_its_schedule_and_a_changed_float_lr_is_an_error():
+    lrs = [1e-2 * (STEPS - i) / STEPS for i in range(STEPS)]
+    eager_model, graph_model = tiny_lora_llama(True), tiny_lora_llama(True)
+    eager_opt = adamw(eager_model, torch.tensor(lrs[0], device=DEVICE))
+    graph_opt = adamw(graph_model, torch.tensor(lrs[0], device=DEVICE))
+    eager = eager_losses(eager_model, eager_opt, None, 0.0, lrs)
+    graph = graphed_losses(graph_model, graph_opt, None, 0.0, lrs)
+    torch.testing.assert_close(torch.tensor(graph), torch.tensor(eager), rtol=1e-5, atol=1e-5)
+
+    model = tiny_lora_llama(True)
+    optimizer = adamw(model, 1e-3)
+    ids, labels = next(batches(1))
+    step = fusetune.graph_train_step(model, optimizer, ids, labels, warmup=1)
+    step(ids, labels)
+    step(ids, labels)  # captured
+    optimizer.param_groups[0]["lr"] = 5e-4
+    with pytest.raises(ValueError, match="lr changed from 0.001 to 0.0005"):
+        step(ids, labels)
+
+
+def test_arguments_are_checked_by_name():
+    model = tiny_lora_llama(False)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="optimizer must be built with capturable=True"):
+        fusetune.graph_train_step(model, adamw(model, 1e-3, capturable=False), ids)
+    optimizer = adamw(model, 1e-3)
+    if DEVICE.type != "cuda":
+        with pytest.raises(ValueError, match="input_ids must be int64 on a CUDA device"):
+            fusetune.graph_train_step(model, optimizer, ids)
+        return
+    with pytest.raises(ValueError, match="input_ids must be int64"):
+        fusetune.graph_train_step(model, optimizer, ids.int())
+    with pytest.raises(ValueError, match=r"labels must be \(2, 24\)"):
+        fusetune.graph_train_step(model, optimizer, ids, ids[:, 1:])
+    with pytest.raises(ValueError, match="autocast_dtype must be"):
+        fusetune.graph_train_step(model, optimizer, ids, autocast_dtype=torch.float32)
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        fusetune.graph_train_step(model, optimizer, ids, warmup=0)
+    with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
+        fusetune.graph_train_step(model, optimizer, ids, max_grad_norm=-1.0)
+    step = fusetune.graph_train_step(model, optimizer, ids)
+    with pytest.raises(ValueError, match=r"input_ids must be \(2, 24\) torch.int64"):
+        step(ids[:, :-1])
