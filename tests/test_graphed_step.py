@@ -36,6 +36,19 @@ def tiny_lora_llama(fused: bool, dtype=torch.float32):
     return model
 
 
+def tiny_qwen3_moe(fused: bool):
+    """Routed experts and transformers' router load-balancing loss (output_router_logits),
+    all parameters trained."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, moe_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, use_cache=False, output_router_logits=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(DEVICE)
+    return fusetune.apply(model) if fused else model
+
+
 def adamw(model, lr, capturable=True):
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, capturable=capturable)
@@ -97,6 +110,17 @@ def graphed_losses(model, optimizer, autocast_dtype, max_grad_norm, lrs=None):
 )
 def test_graphed_step_trains_as_the_eager_step(fused, autocast_dtype, max_grad_norm):
     eager_model, graph_model = tiny_lora_llama(fused), tiny_lora_llama(fused)
+    twins_train_alike(eager_model, graph_model, autocast_dtype, max_grad_norm)
+
+
+@CUDA
+def test_graphed_moe_step_with_the_router_loss_trains_as_the_eager_step():
+    """transformers counts the router's assignments with bincount (a sync) when no mask is
+    given: fusetune hands it an all-ones mask while capturing."""
+    twins_train_alike(tiny_qwen3_moe(True), tiny_qwen3_moe(True), None, 0.0)
+
+
+def twins_train_alike(eager_model, graph_model, autocast_dtype, max_grad_norm):
     eager = eager_losses(eager_model, adamw(eager_model, 3e-2), autocast_dtype, max_grad_norm)
     graph = graphed_losses(graph_model, adamw(graph_model, 3e-2), autocast_dtype, max_grad_norm)
     tol = 1e-5 if autocast_dtype is None else 2e-2

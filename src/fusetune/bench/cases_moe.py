@@ -256,13 +256,18 @@ def _e2e_model(device: torch.device, fused: bool) -> torch.nn.Module:
     return model
 
 
-def _e2e_step(model: torch.nn.Module, device: torch.device) -> Callable[[], object]:
+def _e2e_step(model: torch.nn.Module, device: torch.device, graph: bool) -> Callable[[], object]:
     cuda = device.type == "cuda"
     batch, seq = (E2E_BATCH, E2E_SEQ) if cuda else (2, 16)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=cuda)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=cuda, capturable=graph)
     model.train()
+    if graph:  # the whole step replayed from one CUDA graph (fusetune.graph_train_step)
+        from fusetune.graphed_step import graph_train_step
+
+        graphed = graph_train_step(model, optimizer, ids, autocast_dtype=torch.bfloat16)
+        return lambda: graphed(ids)
 
     def step() -> object:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -276,26 +281,28 @@ def _e2e_step(model: torch.nn.Module, device: torch.device) -> Callable[[], obje
 
 
 def _make_e2e(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
-    """HF + PEFT (transformers' default experts, grouped_mm) and fusetune; one model alive at
-    a time, each built with one step taken (its AdamW state exists before timing)."""
+    """HF + PEFT (transformers' default experts, grouped_mm), fusetune, and on CUDA fusetune
+    with the step as one CUDA graph; one model alive at a time, each built with its warm-up
+    steps taken (its AdamW state exists, the graph is captured, before timing)."""
     import gc
 
     live: dict[str, Callable[[], object]] = {}
 
-    def provider(fused: bool) -> Callable[[], object]:
-        key = "fusetune" if fused else "hf+peft"
-
+    def provider(key: str) -> Callable[[], object]:
         def step() -> object:
             if key not in live:
                 live.clear()
                 gc.collect()
-                live[key] = _e2e_step(_e2e_model(device, fused), device)
-                live[key]()
+                model = _e2e_model(device, fused=key != "hf+peft")
+                live[key] = _e2e_step(model, device, graph=key.endswith("+graph"))
+                for _ in range(4 if key.endswith("+graph") else 1):  # (+graph: 3 eager, capture)
+                    live[key]()
             return live[key]()
 
         return step
 
-    return {"hf+peft": provider(False), "fusetune": provider(True)}
+    keys = ["hf+peft", "fusetune"] + (["fusetune+graph"] if device.type == "cuda" else [])
+    return {key: provider(key) for key in keys}
 
 
 def _e2e_floor(quick: bool) -> float:

@@ -562,14 +562,23 @@ def _fused_loss_forward(
     return output if return_dict else output.to_tuple()
 
 
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured (a CPU-only torch has no CUDA to ask)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _router_aux_loss(family: Family, model, outputs, kwargs: dict):
     """transformers' load-balancing loss of the router logits, or None when they were not
     asked for (as the MoE causal-LM forwards compute it)."""
     if not kwargs["output_router_logits"]:
         return None
+    mask = kwargs.get("attention_mask")
+    if mask is None and _capturing(outputs.last_hidden_state):
+        # without a mask transformers counts with bincount, which syncs (refused in a CUDA graph
+        # capture: fusetune.graph_train_step); its masked branch with an all-ones mask counts
+        # the same assignments with scatter_add, on the device
+        hidden = outputs.last_hidden_state  # [B, T, H]: a [B, T] mask, as a batch's own
+        mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
     return family.modeling.load_balancing_loss_func(
-        outputs.router_logits,
-        model.num_experts,
-        model.num_experts_per_tok,
-        kwargs.get("attention_mask"),
+        outputs.router_logits, model.num_experts, model.num_experts_per_tok, mask
     )
