@@ -176,3 +176,64 @@ def test_arguments_are_checked_by_name():
     step = fusetune.graph_train_step(model, optimizer, ids)
     with pytest.raises(ValueError, match=r"input_ids must be \(2, 24\) torch.int64"):
         step(ids[:, :-1])
+
+
+# ------------------------------------------------------------------ finetune --cuda-graph
+
+
+def finetune_losses(folder, *argv: str) -> list[float]:
+    from fusetune.finetune import main
+    from fusetune.finetune.output import MARKER
+
+    code = main(["--steps", "6", "--batch-size", "2", "--seq-len", "64", "--precision", "fp32",
+                 "--lr-schedule", "cosine", "--warmup-steps", "2", "--output", str(folder),
+                 *argv])  # fmt: skip
+    assert code == 0
+    import json
+
+    return json.loads((folder / MARKER).read_text())["runs"][0]["losses"]
+
+
+@CUDA
+def test_finetune_cuda_graph_trains_as_the_eager_loop(tmp_path, monkeypatch):
+    """Batches padded to one length and passed without their mask, two graphs a step (the
+    update after the host's check), a tensor learning rate on a cosine schedule with warmup,
+    clipping: the eager loop's losses, and the graphs really captured (two, once)."""
+    from fusetune import graphed_step
+
+    captured = []
+    real = graphed_step.capture
+    monkeypatch.setattr(graphed_step, "capture", lambda body: captured.append(1) or real(body))
+    eager = finetune_losses(tmp_path / "eager")
+    graph = finetune_losses(tmp_path / "graph", "--cuda-graph")
+    assert len(captured) == 2
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--grad-accum", "2"], "--cuda-graph: not with --grad-accum"),
+        (["--compile"], "--cuda-graph: not with --compile"),
+        (["--gradient-checkpointing", "offload"], "not with --gradient-checkpointing offload"),
+    ],
+    ids=["grad-accum", "compile", "offload"],
+)
+def test_finetune_cuda_graph_refuses_what_a_graph_cannot_do(tmp_path, capsys, argv, message):
+    from fusetune.finetune import main
+
+    assert main(["--cuda-graph", "--output", str(tmp_path / "out"), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_finetune_cuda_graph_on_the_cpu_or_in_fp16_says_why(tmp_path, capsys):
+    from fusetune.finetune import main
+
+    argv = ["--cuda-graph", "--steps", "1", "--output", str(tmp_path / "out")]
+    if DEVICE.type != "cuda":
+        assert main(argv) == 2
+        assert "--cuda-graph needs a CUDA device; this run's is cpu" in capsys.readouterr().err
+    else:
+        assert main([*argv, "--precision", "fp16"]) == 2
+        assert "not with fp16 loss scaling" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

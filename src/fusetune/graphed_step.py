@@ -31,9 +31,12 @@ on the batch it is given.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 __all__ = ["GraphedStep", "graph_train_step"]
 
@@ -146,14 +149,7 @@ class GraphedStep:
     def _capture(self) -> None:
         torch.cuda.synchronize(self.input_ids.device)
         self.optimizer.zero_grad(set_to_none=True)  # the graph allocates and owns the gradients
-        self.graph = torch.cuda.CUDAGraph()
-        # relaxed: fusetune's linear cross-entropy sizes its chunks from cudaMemGetInfo, a driver
-        # query that enqueues nothing but that the stricter modes refuse during a capture
-        with (
-            _rows_are_single_sequences(),
-            torch.cuda.graph(self.graph, capture_error_mode="relaxed"),
-        ):
-            self._loss = self._body()
+        self.graph, self._loss = capture(self._body)
         self._float_lrs = [_float_lr(group) for group in self.optimizer.param_groups]
 
     def _check_lrs(self) -> None:
@@ -165,6 +161,19 @@ class GraphedStep:
                     "the graph: build the optimizer with lr=torch.tensor(lr, device=...) to "
                     "schedule it (torch's schedulers fill a tensor lr in place)"
                 )
+
+
+def capture(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """(the CUDA graph of ``body``, what the capture returned: tensors each replay rewrites).
+    Nothing runs until the first replay. Rows of the batch ``body`` feeds the model must be
+    single unpadded sequences (or right-padded ones passed without a mask, whose pads carry no
+    label): see ``_rows_are_single_sequences``."""
+    graph = torch.cuda.CUDAGraph()
+    # relaxed: fusetune's linear cross-entropy sizes its chunks from cudaMemGetInfo, a driver
+    # query that enqueues nothing but that the stricter modes refuse during a capture
+    with _rows_are_single_sequences(), torch.cuda.graph(graph, capture_error_mode="relaxed"):
+        returned = body()
+    return graph, returned
 
 
 def _float_lr(group: dict) -> float | None:

@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "aot_eager (traced, no Inductor: quick, for debugging); the steps that compile are left "
         "out of tokens/s",
     )
+    how.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay each step from CUDA graphs (the host's launches leave the step; "
+        "fusetune.graph_train_step): every batch padded to the longest example; one GPU, "
+        "bf16 or fp32, one micro-batch a step",
+    )
     how.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     how.add_argument(
         "--precision",
@@ -227,10 +234,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
             "argument --compile: with LoRA, not with --gradient-checkpointing (the fused q/k/v "
             "LoRA breaks the checkpointed graph in every layer); use one of them, or --full"
         )
+    if args.cuda_graph:
+        _check_cuda_graph(args)
     args.device = resolve_device(args.device)
     if args.lr is None:
         args.lr = DEFAULT_LR[(args.model in TINY_MODELS, args.full)]
     return args
+
+
+def _check_cuda_graph(args: argparse.Namespace) -> None:
+    """What a graphed step cannot do, refused before anything loads (the device, the process
+    count and the precision are checked once known: finetune.command)."""
+    why = {
+        "--grad-accum": args.grad_accum > 1 and "one micro-batch a step (a graph replays one)",
+        "--compile": args.compile and "the graphs already remove the host's launches; use one",
+        "--gradient-checkpointing offload": args.gradient_checkpointing == "offload"
+        and "its copies to host memory run on their own stream, outside the graph",
+    }
+    for option, reason in why.items():
+        if reason:
+            build_parser().error(f"argument --cuda-graph: not with {option}: {reason}")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -69,10 +69,15 @@ def prepare(args: argparse.Namespace) -> Plan:
     precision = choose_precision(args.precision, device.type, bf16_supported(device))
     encoder = models.tokenizer(spec)
     encoded, dropped = data.encode_all(examples, encoder, args.seq_len)
+    length = None
+    if args.cuda_graph:  # one shape for every batch: the longest example's
+        _check_graphable(device, precision, spec)
+        length = max(len(ids) for ids, _ in encoded)
     size, rank = args.batch_size, args.ranks.rank
     micro = data.make_batches(  # every rank draws the same global batches, then keeps its rows
-        encoded, size * args.ranks.world, args.steps * args.grad_accum, encoder.pad_id, args.seed
-    )
+        encoded, size * args.ranks.world, args.steps * args.grad_accum, encoder.pad_id, args.seed,
+        length,
+    )  # fmt: skip
     if args.ranks.world > 1:
         micro = [data.rows(batch, rank * size, (rank + 1) * size) for batch in micro]
     steps = [micro[i : i + args.grad_accum] for i in range(0, len(micro), args.grad_accum)]
@@ -84,6 +89,22 @@ def prepare(args: argparse.Namespace) -> Plan:
     resume = _find_resume(args, identity)
     return Plan(args, spec, precision, encoder, steps, data_name, len(examples), dropped,
                 identity, resume)  # fmt: skip
+
+
+def _check_graphable(device: torch.device, precision: Precision, spec: models.ModelSpec) -> None:
+    if device.type != "cuda":
+        raise FinetuneError(f"--cuda-graph needs a CUDA device; this run's is {device}")
+    if precision.grad_scaler:
+        raise FinetuneError(
+            "--cuda-graph: not with fp16 loss scaling (the scaler's overflow check reads the "
+            "gradients on the host between backward and update); use --precision bf16 or fp32"
+        )
+    if getattr(spec.config, "output_router_logits", False):
+        raise FinetuneError(
+            f"--cuda-graph: not with {spec.name}'s router load-balancing loss "
+            "(output_router_logits): the graph's batches are padded and passed without a "
+            "mask, and the pads would count in it"
+        )
 
 
 def _adapter_identity(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +151,9 @@ def _refuse_accelerate_engines() -> None:
 def run(args: argparse.Namespace) -> int:
     args.ranks, args.device = distributed.setup(args.device)
     try:
+        if args.ranks.world > 1 and args.cuda_graph:
+            raise FinetuneError("--cuda-graph runs on one process (FSDP2 gathers each layer's "
+                                "weights at new addresses every step)")  # fmt: skip
         if args.ranks.world > 1 and args.load_in_4bit:
             raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
         if args.ranks.world > 1:
@@ -266,6 +290,7 @@ def train_once(
 
         hf_integration.apply(model)
     label = f"{base} + fusetune" if fused else base
+    label += " + CUDA graphs" if args.cuda_graph else ""  # (both runs of --compare: as --compile)
     if args.compile:
         # after everything that changes the layers' forwards (checkpointing, LoRA, apply) and
         # on the baseline too, so that --compare measures fusetune's kernels, not the compiler
@@ -280,6 +305,7 @@ def train_once(
     settings = TrainSettings(
         args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks,
         args.lr_schedule, args.warmup_steps, args.skip_nonfinite, bool(args.compile),
+        args.cuda_graph,
     )  # fmt: skip
     progress = ProgressBar(args.steps, label) if args.ranks.main else None
     return train(model, plan.steps, settings, label, progress, checkpoints), model

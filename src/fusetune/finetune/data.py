@@ -215,11 +215,15 @@ def make_batches(
     count: int,
     pad_id: int,
     seed: int,
+    length: int | None = None,
 ) -> list[Batch]:
     """``count`` micro-batches of ``batch_size`` examples, drawn epoch by epoch in a seeded
-    shuffle, each right-padded to its longest example."""
+    shuffle, each right-padded to its longest example (to ``length`` when given: one shape)."""
     order = _shuffled_epochs(len(encoded), seed)
-    return [_pad([encoded[next(order)] for _ in range(batch_size)], pad_id) for _ in range(count)]
+    return [
+        _pad([encoded[next(order)] for _ in range(batch_size)], pad_id, length)
+        for _ in range(count)
+    ]
 
 
 def _shuffled_epochs(size: int, seed: int) -> Iterator[int]:
@@ -230,8 +234,8 @@ def _shuffled_epochs(size: int, seed: int) -> Iterator[int]:
         yield from epoch
 
 
-def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
-    length = max(len(ids) for ids, _ in rows)
+def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int, length: int | None) -> Batch:
+    length = length or max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)

@@ -41,7 +41,10 @@ def set_lr(optimizer: torch.optim.Optimizer, base_lr: float, factor: float) -> f
     factor of 1, so a constant schedule changes nothing); returns it."""
     lr = base_lr * factor
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # (--cuda-graph: the graph reads it in place)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
     return lr
 
 

@@ -19,13 +19,15 @@ from fusetune.finetune import schedule
 from fusetune.finetune.checkpoint import Checkpointing
 from fusetune.finetune.data import Batch
 from fusetune.finetune.distributed import Ranks, all_sum
-from fusetune.finetune.errors import Interrupted, RunStopped
+from fusetune.finetune.errors import FinetuneError, Interrupted, RunStopped
 from fusetune.finetune.interrupt import StopRequests
 from fusetune.finetune.precision import Precision
 from fusetune.finetune.progress import ProgressBar, format_memory, peak_memory
 
 # Steps left out of the throughput: the first one compiles and autotunes kernels.
 WARMUP_STEPS = 1
+# --cuda-graph: eager steps before the capture (lazy initialisation, autotuning, AdamW's state).
+GRAPH_WARMUP_STEPS = 2
 
 
 @dataclass
@@ -78,6 +80,7 @@ class TrainSettings:
     warmup_steps: int = 0
     skip_nonfinite: bool = False
     compiled: bool = False  # torch.compile'd: steps that compile are left out of tokens/s
+    cuda_graph: bool = False  # steps replayed from CUDA graphs (_StepGraphs)
 
 
 @dataclass
@@ -109,15 +112,21 @@ def train(
     Interrupted after SIGINT / SIGTERM (a checkpoint written first, when ``checkpoints``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = settings.device
+    graphed = settings.cuda_graph  # (a graph reads the rate from a tensor: schedules fill it)
+    lr = torch.tensor(settings.lr, device=device) if graphed else settings.lr
     optimizer = torch.optim.AdamW(
-        [p for _, p in named], lr=settings.lr, weight_decay=0.0, fused=device.type == "cuda"
-    )
+        [p for _, p in named], lr=lr, weight_decay=0.0, fused=device.type == "cuda",
+        capturable=graphed,
+    )  # fmt: skip
     scaler = torch.amp.GradScaler(device.type) if settings.precision.grad_scaler else None
     state = _State(model, named, optimizer, scaler)
     result = RunResult(label)
     first = checkpoints.start(model, optimizer, scaler, result) if checkpoints else 0
     model.train()
     skip = first + (WARMUP_STEPS if len(steps) - first >= 3 else 0)
+    if graphed:  # the eager steps and the capture
+        skip = first + GRAPH_WARMUP_STEPS + 1
+    step_graphs: _StepGraphs | None = None
     start = time.perf_counter()
     try:
         with StopRequests() as requests:
@@ -128,7 +137,11 @@ def train(
                 )
                 schedule.set_lr(optimizer, settings.lr, factor)
                 graphs = _compiled_graphs() if settings.compiled else 0
-                loss, fault, stop = _step(state, steps[index], settings, requests.signum)
+                if graphed and index >= first + GRAPH_WARMUP_STEPS:
+                    step_graphs = step_graphs or _StepGraphs(state, steps[index][0], settings)
+                    loss, fault, stop = step_graphs.step(state, steps[index], requests.signum)
+                else:
+                    loss, fault, stop = _step(state, steps[index], settings, requests.signum)
                 timed = index >= skip and (not settings.compiled or _compiled_graphs() == graphs)
                 if fault is not None:
                     _on_fault(index + 1, fault, settings, checkpoints, result)
@@ -194,10 +207,10 @@ def _interrupted(signum: int, step: int, checkpoints) -> None:
     raise Interrupted(f"{name} after step {step}: {saved}", signum)
 
 
-def _autocast(precision: Precision, device: torch.device):
+def _autocast(precision: Precision, device: torch.device, cache: bool = True):
     if not precision.autocast:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=precision.compute_dtype)
+    return torch.autocast(device.type, dtype=precision.compute_dtype, cache_enabled=cache)
 
 
 def _step(
@@ -235,11 +248,7 @@ def _step(
     full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     values = torch.stack([packed[0], full.to(packed.dtype).reshape(()), packed[1]])
     loss_value, norm_value, stop = values.tolist()  # sync
-    fault = None
-    if not math.isfinite(loss_value):
-        fault = "loss"
-    elif scaler is None and not math.isfinite(norm_value):  # fp16: the scaler skips overflow
-        fault = f"gradient of {_nonfinite_gradient(state.named, ranks)}"
+    fault = _fault(loss_value, norm_value, state, ranks)
     if fault is None:
         if settings.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(state.params, settings.max_grad_norm, norm)
@@ -250,6 +259,73 @@ def _step(
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_value, fault, stop > 0
+
+
+def _fault(loss: float, norm: float, state: _State, ranks: Ranks) -> str | None:
+    """What was not finite this step (None: nothing). fp16's scaler skips its own overflows."""
+    if not math.isfinite(loss):
+        return "loss"
+    if state.scaler is None and not math.isfinite(norm):
+        return f"gradient of {_nonfinite_gradient(state.named, ranks)}"
+    return None
+
+
+class _StepGraphs:
+    """--cuda-graph: a step as two CUDA graphs, (1) forward, backward and the gradients' norm,
+    (2) clipping and the AdamW update; between them the host reads the loss and the norm, as
+    ``_step`` does, so a bad step still never updates. The first graph owns the gradients: each
+    replay writes them afresh (no zero_grad). One micro-batch a step, one process, no loss
+    scaling (the command refuses the rest). Batches have one shape and go in without their
+    attention mask: rows are right-padded, so under the causal mask no real token sees a pad,
+    and pads carry no label (the loss is the masked run's)."""
+
+    def __init__(self, state: _State, batch: Batch, settings: TrainSettings) -> None:
+        from fusetune.graphed_step import capture
+
+        device = settings.device
+        self.input_ids = batch.input_ids.to(device)
+        self.labels = batch.labels.to(device)
+        self.items = torch.zeros((), dtype=torch.long, device=device)
+        self.ranks = settings.ranks
+        torch.cuda.synchronize(device)
+        state.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.backward, self.values = capture(lambda: self._forward_backward(state, settings))
+            self.update, _ = capture(lambda: self._update(state, settings.max_grad_norm))
+        except RuntimeError as exc:  # a host sync or CPU copy in the model's step: say which
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FinetuneError(
+                f"--cuda-graph: the step cannot be captured as a CUDA graph ({first}); "
+                "run without --cuda-graph"
+            ) from exc
+
+    def _forward_backward(self, state: _State, settings: TrainSettings) -> torch.Tensor:
+        # (no autocast cast cache: cached casts would outlive the captured region)
+        with _autocast(settings.precision, settings.device, cache=False):
+            output = state.model(
+                input_ids=self.input_ids, labels=self.labels, num_items_in_batch=self.items
+            )
+        output.loss.backward()
+        norm = _total_norm([p.grad for p in state.params if p.grad is not None])
+        return torch.stack([output.loss.detach().float(), norm.float().reshape(())])
+
+    def _update(self, state: _State, max_grad_norm: float) -> None:
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(state.params, max_grad_norm, self.values[1])
+        state.optimizer.step()
+
+    def step(self, state: _State, micro_batches, signum: int) -> tuple[float, str | None, bool]:
+        """As ``_step``: (the loss, what was not finite or None, whether to stop)."""
+        (batch,) = micro_batches
+        self.input_ids.copy_(batch.input_ids, non_blocking=True)
+        self.labels.copy_(batch.labels, non_blocking=True)
+        self.items.fill_(batch.label_count)  # (a fill: no host-to-device copy)
+        self.backward.replay()
+        loss_value, norm_value = self.values.tolist()  # sync
+        fault = _fault(loss_value, norm_value, state, self.ranks)
+        if fault is None:
+            self.update.replay()
+        return loss_value, fault, signum > 0
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
