@@ -23,7 +23,8 @@ def final_loss(losses: Sequence[float]) -> float:
 
 def throughput_note(result: RunResult) -> str:
     """Which steps tokens/s counts: all, or all but the warm-up step and (under --compile) the
-    steps that compiled a graph (``result.untimed`` of them)."""
+    steps that compiled a graph, or (under --cuda-graph) the eager steps and the capture
+    (``result.untimed`` of them)."""
     ran = len(result.losses) - result.resumed_from
     left_out = result.untimed
     if left_out == 0:
@@ -32,7 +33,7 @@ def throughput_note(result: RunResult) -> str:
         return f"first {WARMUP_STEPS} step left out"
     if left_out >= ran:
         return "every step compiled: none timed"
-    return f"{left_out} of {ran} steps left out: warm-up and compiling"
+    return f"{left_out} of {ran} steps left out: warm-up and compiling or capturing"
 
 
 def format_summary(result: RunResult, lines: dict[str, str]) -> str:
