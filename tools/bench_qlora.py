@@ -4,6 +4,8 @@ fused AdamW, sequence 2048: tokens/s and peak GiB. One variant per process:
 
 - ``hf``: HF + PEFT + bitsandbytes (fusetune's ``quantize_4bit`` puts bitsandbytes' Linear4bit in);
 - ``fusetune``: the same with ``fusetune.apply``;
+- ``liger``: the same with Liger-Kernel's patch for the family on the classes first (as bench
+  e2e's ``hf+peft+liger``);
 - ``unsloth``: the same random weights saved once under /tmp (bf16 safetensors), loaded by
   Unsloth's ``FastLanguageModel`` with ``load_in_4bit=True`` (its own NF4 through bitsandbytes).
 
@@ -57,6 +59,8 @@ def build(shape: cases_e2e.Shape, variant: str, checkpointing: str | None) -> to
 
     from fusetune.finetune.models import quantize_4bit
 
+    if variant == "liger":  # (before building: the model is then made of Liger's modules)
+        cases_e2e.apply_liger(shape.model_type)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(
@@ -146,7 +150,7 @@ def largest_batch(model: torch.nn.Module, batch: int) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--variant", choices=["hf", "fusetune", "unsloth"], required=True)
+    parser.add_argument("--variant", choices=["hf", "liger", "fusetune", "unsloth"], required=True)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(

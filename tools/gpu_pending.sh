@@ -17,6 +17,9 @@
 #     of each step is host time, before building a graphed step into fusetune.
 #   bash tools/gpu_pending.sh graphed   1 GPU, carry .unsloth .bnb (~8 minutes): the QLoRA 1B b4 step
 #     eager and through fusetune.graph_train_step beside HF and Unsloth, then its tests.
+#   bash tools/gpu_pending.sh qlora-rest 1 GPU, carry .bnb .peers (~7 minutes): issue 22's last rows,
+#     Liger-Kernel on HF + PEFT + bnb and fusetune graphed (1B b4, one run), then the 8B shape's
+#     largest batch (fusetune, offloaded checkpointing).
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU (OFFLOAD_ONLY=1: not the in-GPU row).
@@ -127,6 +130,16 @@ if [ "${1:-}" = graphed ]; then  # issue 22: fusetune.graph_train_step beside th
   done
   PYTHONPATH=$PYTHONPATH:tests timeout 120 python3 -m pytest -q -p no:cacheprovider \
     tests/test_graphed_step.py 2>&1 | tail -15 | tee "$OUT/graphed-tests.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = qlora-rest ]; then  # issue 22's last rows: Liger on top, the 8B largest batch
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  qlora llama-3.2-1b 4 liger 90 --steps 20
+  qlora llama-3.2-1b 4 fusetune 75 --steps 20 --graph
+  qlora llama-8b 2 fusetune 240 --gradient-checkpointing offload --largest-batch
+  grep LARGEST "$OUT/qlora.log" | tail -1
   echo "done in $SECONDS s"
   exit 0
 fi
