@@ -2,15 +2,12 @@
 fused AdamW) timed eager, then replayed from one CUDA graph of the whole step, on twin models
 built from one seed (issue 18's LoRA step, issue 22's QLoRA step: both host-bound in the forward).
 
-The graph is PyTorch's whole-network capture: three eager warm-up steps on a side stream, the
-gradients set to None, then one step captured (the backward allocates the gradients in the
-graph's pool and every replay writes them afresh); AdamW with ``capturable=True`` keeps its
-step count on the device. The batch is fixed (a replay reads the same input buffer). Each step
-is synchronized, as ``bench e2e`` times it. The twins' losses are printed side by side: the
-graph must train as eager does (a capture that silently drops work would show here).
-
-A measurement, not a feature: if the graphed step is close to the GPU's busy time, the next
-step is a fusetune API (or a ``finetune`` option) for fixed-shape batches.
+The graph is fusetune.graph_train_step's (three eager warm-up steps on a side stream, then
+the whole step captured once and replayed; AdamW with ``capturable=True``). The batch is fixed.
+Each step is synchronized, as ``bench e2e`` times it. The twins' losses are printed side by
+side: the graph must train as eager does (a capture that silently drops work would show here).
+``--profile`` adds each way's CUDA time by kernel (CUPTI sees the kernels inside a replay):
+how the 2026-11-27 twelfth session found transformers' explicit mask inside the capture.
 
 Usage (GPU):
     PYTHONPATH=src:tools python tools/graph_step.py --shape llama-3.2-1b --batch 4
@@ -40,22 +37,6 @@ def build(shape: cases_e2e.Shape, variant: str, qlora: bool) -> torch.nn.Module:
     return cases_e2e.build(shape, name, torch.device("cuda"), tiny=False)
 
 
-def _one_sequence_a_row() -> None:
-    """transformers looks for packed sequences in the position ids with a host sync, which it
-    skips while a stream captures, then assuming packing: an explicit mask and a slower SDPA
-    kernel in the graph only. Every row here is one sequence: say so for both twins (eager
-    loses one sync at the forward's start, when the GPU is idle anyway)."""
-    from transformers import masking_utils
-
-    if hasattr(masking_utils, "find_packed_sequence_indices"):
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    # (and transformers <= 5.17 counts a capture as tracing, where it builds an explicit causal
-    # mask: SDPA's masked kernels took 32 ms of the graph's attention against eager's 11.5)
-    traced = masking_utils.is_tracing
-    capturing = torch.cuda.is_current_stream_capturing
-    masking_utils.is_tracing = lambda tensor=None: traced(tensor) and not capturing()
-
-
 def _body(model, input_ids, optimizer):
     def body() -> torch.Tensor:
         # (autocast's cast cache is off: cached casts would outlive the captured region)
@@ -83,31 +64,16 @@ def eager_step(model, input_ids, warmup: int = 3):
 
 
 def graphed_step(model, input_ids, warmup: int = 3):
-    """(step, the warm-up steps' losses): ``warmup`` eager steps on a side stream, then the
-    captured step's replay."""
+    """(step, the warm-up steps' losses): fusetune.graph_train_step's ``warmup`` eager steps;
+    its next call captures, and every later one replays."""
+    from fusetune.graphed_step import graph_train_step
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True, capturable=True)
-    body = _body(model, input_ids, optimizer)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    losses = []
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(body())
-    torch.cuda.current_stream().wait_stream(side)
-    optimizer.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    # (relaxed: fusetune's linear cross-entropy sizes its chunks from cudaMemGetInfo, a driver
-    # query that touches no stream but that "global" mode may refuse)
-    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-        static_loss = body()
-
-    def step() -> torch.Tensor:
-        graph.replay()
-        return static_loss.clone()
-
-    return step, losses
+    graphed = graph_train_step(model, optimizer, input_ids, autocast_dtype=torch.bfloat16,
+                               warmup=warmup)  # fmt: skip
+    losses = [graphed(input_ids) for _ in range(warmup)]
+    return (lambda: graphed(input_ids)), losses
 
 
 def run(args, how: str) -> dict:
@@ -153,7 +119,6 @@ def main() -> None:
     parser.add_argument("--untimed", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="CUDA time by kernel, each way")
     args = parser.parse_args()
-    _one_sequence_a_row()
     results = []
     for how in ("eager", "graph"):
         try:
