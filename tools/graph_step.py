@@ -24,6 +24,7 @@ import time
 import torch
 
 from fusetune.bench import cases_e2e
+from fusetune.graphed_step import DEFAULT_WARMUP
 
 GIB = 2**30
 
@@ -49,7 +50,7 @@ def _body(model, input_ids, optimizer):
     return body
 
 
-def eager_step(model, input_ids, warmup: int = 3):
+def eager_step(model, input_ids, warmup: int = DEFAULT_WARMUP):
     """(step, the warm-up steps' losses): as ``graphed_step``, every step eager."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
@@ -63,17 +64,11 @@ def eager_step(model, input_ids, warmup: int = 3):
     return step, [step() for _ in range(warmup)]
 
 
-def graphed_step(model, input_ids, warmup: int = 3):
-    """(step, the warm-up steps' losses): fusetune.graph_train_step's ``warmup`` eager steps;
-    its next call captures, and every later one replays."""
-    from fusetune.graphed_step import graph_train_step
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True, capturable=True)
-    graphed = graph_train_step(model, optimizer, input_ids, autocast_dtype=torch.bfloat16,
-                               warmup=warmup)  # fmt: skip
-    losses = [graphed(input_ids) for _ in range(warmup)]
-    return (lambda: graphed(input_ids)), losses
+def graphed_step(model, input_ids):
+    """(step, the warm-up steps' losses): bench e2e's step through fusetune.graph_train_step,
+    its eager steps taken; its next call captures, and every later one replays."""
+    step = cases_e2e.make_step(model, input_ids, graph=True)
+    return step, [step() for _ in range(DEFAULT_WARMUP)]
 
 
 def run(args, how: str) -> dict:

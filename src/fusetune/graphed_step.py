@@ -37,6 +37,7 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+DEFAULT_WARMUP = 3  # eager calls before the capture
 
 __all__ = ["GraphedStep", "graph_train_step"]
 
@@ -49,7 +50,7 @@ def graph_train_step(
     *,
     autocast_dtype: torch.dtype | None = None,
     max_grad_norm: float = 0.0,
-    warmup: int = 3,
+    warmup: int = DEFAULT_WARMUP,
 ) -> GraphedStep:
     """A training step of ``model`` (a causal LM called as ``model(input_ids=, labels=)``)
     that replays one CUDA graph; call it with each batch: ``loss = step(input_ids, labels)``.

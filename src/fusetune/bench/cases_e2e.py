@@ -421,8 +421,9 @@ def measure(
                 del input_ids, step
                 result.update(_verify_max_batch(model, estimate, seq_len, vocab, device, base))
     if profile and cuda:
-        ids = _ids(batch, seq_len, vocab, device)
-        result["profile"] = profile_step(step if graph else make_step(model, ids))
+        result["profile"] = profile_step(  # (a graph: the captured step, replayed)
+            step if graph else make_step(model, _ids(batch, seq_len, vocab, device))
+        )
         result["profile"]["wall_ms"] = result.get("step_ms")
     return result
 

@@ -27,7 +27,9 @@ from collections.abc import Callable
 import torch
 
 import fusetune
+from fusetune.bench.cases_e2e import make_step
 from fusetune.bench.harness import Case, backward_step, register
+from fusetune.graphed_step import DEFAULT_WARMUP
 
 TOKENS, RANK, ALPHA = 8192, 16, 32
 SHAPES = {  # family -> (experts, top_k, hidden, intermediate)
@@ -257,27 +259,10 @@ def _e2e_model(device: torch.device, fused: bool) -> torch.nn.Module:
 
 
 def _e2e_step(model: torch.nn.Module, device: torch.device, graph: bool) -> Callable[[], object]:
-    cuda = device.type == "cuda"
-    batch, seq = (E2E_BATCH, E2E_SEQ) if cuda else (2, 16)
+    """bench e2e's step (``graph``: through fusetune.graph_train_step) on a random batch."""
+    batch, seq = (E2E_BATCH, E2E_SEQ) if device.type == "cuda" else (2, 16)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=cuda, capturable=graph)
-    model.train()
-    if graph:  # the whole step replayed from one CUDA graph (fusetune.graph_train_step)
-        from fusetune.graphed_step import graph_train_step
-
-        graphed = graph_train_step(model, optimizer, ids, autocast_dtype=torch.bfloat16)
-        return lambda: graphed(ids)
-
-    def step() -> object:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return make_step(model, ids, graph=graph)
 
 
 def _make_e2e(device: torch.device, quick: bool) -> dict[str, Callable[[], object]]:
@@ -295,7 +280,8 @@ def _make_e2e(device: torch.device, quick: bool) -> dict[str, Callable[[], objec
                 gc.collect()
                 model = _e2e_model(device, fused=key != "hf+peft")
                 live[key] = _e2e_step(model, device, graph=key.endswith("+graph"))
-                for _ in range(4 if key.endswith("+graph") else 1):  # (+graph: 3 eager, capture)
+                graphed = key.endswith("+graph")
+                for _ in range(DEFAULT_WARMUP + 1 if graphed else 1):  # (+graph: eager, capture)
                     live[key]()
             return live[key]()
 
