@@ -126,6 +126,11 @@ def largest_batch(model: torch.nn.Module, batch: int) -> dict[str, object]:
     else:
         per_sequence, intercept = max(first[1] - fixed, 1.0) / batch, fixed
     estimate = max(batch, int((free * 0.97 - intercept) // per_sequence))
+    print(
+        f"estimate: batch {estimate} ({per_sequence / GIB:.3f} GiB a sequence, "
+        f"{free / GIB:.1f} GiB to hold)",
+        flush=True,
+    )
     tried, best = [], (batch, *first)
     if second is not None:
         best = (2 * batch, *second)
@@ -134,6 +139,7 @@ def largest_batch(model: torch.nn.Module, batch: int) -> dict[str, object]:
         if candidate <= best[0]:
             break
         found = one_step_peak(model, candidate)
+        print(f"try batch {candidate}: {'fits' if found else 'out of memory'}", flush=True)
         if found is not None:
             best = (candidate, *found)
             break

@@ -20,6 +20,10 @@
 #   bash tools/gpu_pending.sh qlora-rest 1 GPU, carry .bnb .peers (~7 minutes): issue 22's last rows,
 #     Liger-Kernel on HF + PEFT + bnb and fusetune graphed (1B b4, one run), then the 8B shape's
 #     largest batch (fusetune, offloaded checkpointing).
+#     (2026-11-27 thirteenth: the 8B search died without a word past batch 4, each try's layer
+#     inputs in pinned host memory: the offloaded mode's largest batch is the host's to say.)
+#   bash tools/gpu_pending.sh 8b-largest 1 GPU, carry .bnb (~5 minutes): the 8B shape's largest
+#     batch with in-GPU checkpoints (each try printed as it ends).
 #   bash tools/gpu_pending.sh 8b        1 GPU, carry .unsloth .bnb (~7 minutes): the QLoRA 8B b2
 #     step with checkpointing in one run: Unsloth (its offloaded mode), fusetune offloaded,
 #     fusetune in-GPU (OFFLOAD_ONLY=1: not the in-GPU row).
@@ -140,6 +144,12 @@ if [ "${1:-}" = qlora-rest ]; then  # issue 22's last rows: Liger on top, the 8B
   qlora llama-3.2-1b 4 fusetune 75 --steps 20 --graph
   qlora llama-8b 2 fusetune 240 --gradient-checkpointing offload --largest-batch
   grep LARGEST "$OUT/qlora.log" | tail -1
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = 8b-largest ]; then  # issue 22: the 8B shape's largest batch, in-GPU checkpoints
+  qlora llama-8b 2 fusetune ${LIMIT_S:-300} --gradient-checkpointing --largest-batch
+  grep -e "^try" -e "^estimate" -e LARGEST "$OUT/qlora.log"
   echo "done in $SECONDS s"
   exit 0
 fi
