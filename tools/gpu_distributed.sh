@@ -13,6 +13,9 @@
 #     (d) FSDP2 full / LoRA Qwen2.5-0.5B, (e) ZeRO-3 LoRA Llama; each variant (hf, liger,
 #     fusetune) at 1 GPU (launches side by side) and 2 GPUs; a step starts only with 60 s
 #     left, each launch under --timeout 150. Tables: $OUT/bench-*/e2e-distributed.txt.
+#   bash tools/gpu_distributed.sh full    # issue 16's full fine-tuning targets alone, profiled:
+#     FSDP2 full Llama-3.2-1B, hf, fusetune, Liger (its fused loss off: it fails on the sharded
+#     head), fusetune and hf with each layer compiled (FULL_VARIANTS, FULL_S: up to 420 s).
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-distributed}
 mkdir -p "$OUT"
@@ -58,5 +61,10 @@ case "${1:-tests}" in
     bench_step zero3-lora-llama 260 --engine zero3 --lora "${llama[@]}"
     echo "=== tables"
     cat "$OUT"/bench-*/e2e-distributed.txt 2>/dev/null
+    ;;
+  full)
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    bench_step fsdp2-full-llama "${FULL_S:-420}" --engine fsdp2 --full --profile \
+      --shapes llama-3.2-1b --variants "${FULL_VARIANTS:-hf,fusetune,liger,fusetune-compiled,hf-compiled}"
     ;;
 esac

@@ -237,13 +237,14 @@ def model_config(shape: Shape, tiny: bool, layers: int | None = None) -> Any:
 # ----------------------------------------------------------------------------- one variant
 
 
-def apply_liger(model_type: str) -> None:
-    """Liger-Kernel's patch for the family, all its defaults, on the classes (before building:
-    the model is then built from Liger's modules, as ``AutoLigerKernelForCausalLM`` does)."""
+def apply_liger(model_type: str, **options: bool) -> None:
+    """Liger-Kernel's patch for the family on the classes, its defaults but ``options`` (before
+    building: the model is then built from Liger's modules, as ``AutoLigerKernelForCausalLM``
+    does)."""
     import liger_kernel.transformers as liger
 
     name = LIGER_PATCHES.get(model_type, model_type)
-    getattr(liger, f"apply_liger_kernel_to_{name}")()
+    getattr(liger, f"apply_liger_kernel_to_{name}")(**options)
 
 
 def build(shape: Shape, variant: str, device: torch.device, tiny: bool) -> torch.nn.Module:

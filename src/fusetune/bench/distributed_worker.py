@@ -59,13 +59,21 @@ def setup() -> torch.device:
     return device
 
 
+# Liger's fused linear cross-entropy reads lm_head.weight outside the head's forward: on a head
+# FSDP2 shards on its own (full mode here, as torchtitan) that is a DTensor shard, and its matmul
+# fails ("mixed torch.Tensor and DTensor", Liger issues #332 and #868). A Liger user there turns
+# the fused loss off and keeps Liger's cross-entropy on the logits: so does the bench, and says so.
+LIGER_OPTIONS = {("fsdp2", "full"): {"fused_linear_cross_entropy": False, "cross_entropy": True}}
+LIGER_NOTES = {("fsdp2", "full"): "Liger's fused linear CE off (it fails on the sharded head)"}
+
+
 def build(job: dict[str, Any], device: torch.device) -> torch.nn.Module:
     """The variant's fp32 model: Liger patched in before building, PEFT LoRA, fusetune.apply."""
     import transformers
 
     shape = SHAPES[job["shape"]]
     if job["variant"] == "liger":
-        apply_liger(shape.model_type)
+        apply_liger(shape.model_type, **LIGER_OPTIONS.get((job["engine"], job["mode"]), {}))
     config = model_config(shape, job["tiny"], layers=job.get("layers"))
     if job["engine"] == "fsdp2" and job["mode"] == "full":
         config.tie_word_embeddings = False  # a head of its own, to shard on its own
@@ -225,7 +233,11 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
                 step_ms_min=min(times), step_ms_max=max(times),
                 tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,
                 fused_calls=len(calls), steps=job["warmup"] + job["steps"],
-                fallback_warnings=fallbacks, profile=profile)  # fmt: skip
+                fallback_warnings=fallbacks, profile=profile, note=_note(job))  # fmt: skip
+
+
+def _note(job: dict[str, Any]) -> str:
+    return LIGER_NOTES.get((job["engine"], job["mode"]), "") if job["variant"] == "liger" else ""
 
 
 def main(spec: str) -> int:
