@@ -194,30 +194,81 @@ def finetune_losses(folder, *argv: str) -> list[float]:
     return json.loads((folder / MARKER).read_text())["runs"][0]["losses"]
 
 
-@CUDA
-def test_finetune_cuda_graph_trains_as_the_eager_loop(tmp_path, monkeypatch):
-    """Batches padded to one length and passed without their mask, two graphs a step (the
-    update after the host's check), a tensor learning rate on a cosine schedule with warmup,
-    clipping: the eager loop's losses, and the graphs really captured (two, once)."""
+def count_captures(monkeypatch) -> list[int]:
+    """graphed_step.capture, counted: the list gets an item a capture."""
     from fusetune import graphed_step
 
     captured = []
     real = graphed_step.capture
-    monkeypatch.setattr(graphed_step, "capture", lambda body: captured.append(1) or real(body))
+    monkeypatch.setattr(graphed_step, "capture", lambda *args: captured.append(1) or real(*args))
+    return captured
+
+
+@CUDA
+def test_finetune_cuda_graph_trains_as_the_eager_loop(tmp_path, monkeypatch):
+    """Batches padded to one length and passed without their mask, three graphs a step
+    (forward and backward, the norm, the update after the host's check), a tensor learning rate
+    on a cosine schedule with warmup, clipping: the eager loop's losses, and the graphs really
+    captured (three, once)."""
+    captured = count_captures(monkeypatch)
     eager = finetune_losses(tmp_path / "eager")
     graph = finetune_losses(tmp_path / "graph", "--cuda-graph")
-    assert len(captured) == 2
+    assert len(captured) == 3
     torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+
+
+@CUDA
+def test_finetune_cuda_graph_accumulates_as_the_eager_loop(tmp_path, monkeypatch):
+    """--grad-accum 2: the first micro-batch's graph writes the gradients, the second's adds to
+    them; the eager loop's losses, and four graphs captured once (the second micro-batch's too)."""
+    captured = count_captures(monkeypatch)
+    eager = finetune_losses(tmp_path / "eager", "--grad-accum", "2")
+    graph = finetune_losses(tmp_path / "graph", "--grad-accum", "2", "--cuda-graph")
+    assert len(captured) == 4
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+
+
+@CUDA
+def test_step_graphs_write_the_gradients_afresh_then_add_the_other_micro_batches():
+    """A batch alone, or twice in one step (each micro-batch's loss then over twice the tokens):
+    the same loss and gradients only if the first micro-batch's graph overwrites the gradients
+    (adding, it would double them) and the next one's adds to them (overwriting, it would halve
+    them). A zero learning rate keeps the weights, so every step sees the same ones."""
+    from fusetune.finetune import train
+    from fusetune.finetune.data import Batch
+    from fusetune.finetune.precision import Precision
+
+    model = tiny_lora_llama(True)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=torch.tensor(0.0, device=DEVICE),
+                                  weight_decay=0.0, fused=True, capturable=True)  # fmt: skip
+    state = train._State(model, named, optimizer, scaler=None)
+    settings = train.TrainSettings(0.0, 0.0, Precision("fp32", "a test"), DEVICE, cuda_graph=True)
+    ids, labels = (t.cpu() for t in next(batches(1)))
+    labelled = int((labels[:, 1:] != -100).sum())
+    batch = Batch(ids, torch.ones_like(ids), labels, tokens=ids.numel(), label_count=labelled)
+    for _ in range(train.GRAPH_WARMUP_STEPS):  # eager, as train's: autotuning, AdamW's state
+        train._step(state, [batch, batch], settings, 0)
+    graphs = train._StepGraphs(state, [batch, batch], settings)
+
+    def step(micro_batches):
+        loss, fault, _ = graphs.step(state, micro_batches, 0)
+        assert fault is None
+        return loss, [p.grad.clone() for p in state.params]
+
+    alone = step([batch])
+    assert all(grad.abs().sum() > 0 for grad in alone[1])
+    torch.testing.assert_close(step([batch, batch]), alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step([batch]), alone, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--grad-accum", "2"], "--cuda-graph: not with --grad-accum"),
         (["--compile"], "--cuda-graph: not with --compile"),
         (["--gradient-checkpointing", "offload"], "not with --gradient-checkpointing offload"),
     ],
-    ids=["grad-accum", "compile", "offload"],
+    ids=["compile", "offload"],
 )
 def test_finetune_cuda_graph_refuses_what_a_graph_cannot_do(tmp_path, capsys, argv, message):
     from fusetune.finetune import main

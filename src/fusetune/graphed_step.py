@@ -164,15 +164,22 @@ class GraphedStep:
                 )
 
 
-def capture(body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(
+    body: Callable[[], T], pool: tuple[int, int] | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """(the CUDA graph of ``body``, what the capture returned: tensors each replay rewrites).
     Nothing runs until the first replay. Rows of the batch ``body`` feeds the model must be
     single unpadded sequences (or right-padded ones passed without a mask, whose pads carry no
-    label): see ``_rows_are_single_sequences``."""
+    label): see ``_rows_are_single_sequences``. ``pool``: another graph's ``pool()``, whose
+    memory this one may reuse (safe when neither keeps a tensor the other's replay overwrites:
+    see torch.cuda.graph); default: a pool of its own."""
     graph = torch.cuda.CUDAGraph()
     # relaxed: fusetune's linear cross-entropy sizes its chunks from cudaMemGetInfo, a driver
     # query that enqueues nothing but that the stricter modes refuse during a capture
-    with _rows_are_single_sequences(), torch.cuda.graph(graph, capture_error_mode="relaxed"):
+    with (
+        _rows_are_single_sequences(),
+        torch.cuda.graph(graph, pool=pool, capture_error_mode="relaxed"),
+    ):
         returned = body()
     return graph, returned
 

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replay each step from CUDA graphs (the host's launches leave the step; "
         "fusetune.graph_train_step): every batch padded to the longest example; one GPU, "
-        "bf16 or fp32, one micro-batch a step",
+        "bf16 or fp32",
     )
     how.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     how.add_argument(
@@ -246,7 +246,6 @@ def _check_cuda_graph(args: argparse.Namespace) -> None:
     """What a graphed step cannot do, refused before anything loads (the device, the process
     count and the precision are checked once known: finetune.command)."""
     why = {
-        "--grad-accum": args.grad_accum > 1 and "one micro-batch a step (a graph replays one)",
         "--compile": args.compile and "the graphs already remove the host's launches; use one",
         "--gradient-checkpointing offload": args.gradient_checkpointing == "offload"
         and "its copies to host memory run on their own stream, outside the graph",

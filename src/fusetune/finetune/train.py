@@ -138,7 +138,7 @@ def train(
                 schedule.set_lr(optimizer, settings.lr, factor)
                 graphs = _compiled_graphs() if settings.compiled else 0
                 if graphed and index >= first + GRAPH_WARMUP_STEPS:
-                    step_graphs = step_graphs or _StepGraphs(state, steps[index][0], settings)
+                    step_graphs = step_graphs or _StepGraphs(state, steps[index], settings)
                     loss, fault, stop = step_graphs.step(state, steps[index], requests.signum)
                 else:
                     loss, fault, stop = _step(state, steps[index], settings, requests.signum)
@@ -271,27 +271,30 @@ def _fault(loss: float, norm: float, state: _State, ranks: Ranks) -> str | None:
 
 
 class _StepGraphs:
-    """--cuda-graph: a step as two CUDA graphs, (1) forward, backward and the gradients' norm,
-    (2) clipping and the AdamW update; between them the host reads the loss and the norm, as
-    ``_step`` does, so a bad step still never updates. The first graph owns the gradients: each
-    replay writes them afresh (no zero_grad). One micro-batch a step, one process, no loss
-    scaling (the command refuses the rest). Batches have one shape and go in without their
-    attention mask: rows are right-padded, so under the causal mask no real token sees a pad,
-    and pads carry no label (the loss is the masked run's)."""
+    """--cuda-graph: a step as CUDA graphs: ``first``, forward and backward of the step's first
+    micro-batch; ``more``, the same for each further micro-batch (--grad-accum); ``norm``, the
+    gradients' norm; ``update``, clipping and the AdamW update. Between ``norm`` and ``update``
+    the host reads the loss and the norm, as ``_step`` does, so a bad step still never updates.
+    The graphs own the gradients, so nothing zeroes them: ``first`` writes them afresh, ``more``
+    adds to them. One process, no loss scaling (the command refuses the rest). Batches have one
+    shape and go in without their attention mask: rows are right-padded, so under the causal
+    mask no real token sees a pad, and pads carry no label (the loss is the masked run's)."""
 
-    def __init__(self, state: _State, batch: Batch, settings: TrainSettings) -> None:
-        from fusetune.graphed_step import capture
-
+    def __init__(self, state: _State, micro_batches: list[Batch], settings: TrainSettings) -> None:
         device = settings.device
-        self.input_ids = batch.input_ids.to(device)
-        self.labels = batch.labels.to(device)
+        self.input_ids = micro_batches[0].input_ids.to(device)
+        self.labels = micro_batches[0].labels.to(device)
         self.items = torch.zeros((), dtype=torch.long, device=device)
+        self.values = torch.zeros(2, device=device)  # [the step's loss, the gradients' norm]
         self.ranks = settings.ranks
         torch.cuda.synchronize(device)
+        # captured with no gradients, `first` allocates them from its pool and keeps them; each
+        # replay then writes them afresh, and `more`, captured with them there, adds to them
         state.optimizer.zero_grad(set_to_none=True)
         try:
-            self.backward, self.values = capture(lambda: self._forward_backward(state, settings))
-            self.update, _ = capture(lambda: self._update(state, settings.max_grad_norm))
+            self.first, self.more, self.norm, self.update = self._capture(
+                state, settings, accumulates=len(micro_batches) > 1
+            )
         except RuntimeError as exc:  # a host sync or CPU copy in the model's step: say which
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FinetuneError(
@@ -299,15 +302,36 @@ class _StepGraphs:
                 "run without --cuda-graph"
             ) from exc
 
-    def _forward_backward(self, state: _State, settings: TrainSettings) -> torch.Tensor:
+    def _capture(self, state: _State, settings: TrainSettings, accumulates: bool) -> tuple:
+        from fusetune.graphed_step import capture
+
+        first, _ = capture(lambda: self._micro_batch(state, settings, accumulate=False))
+        more = None
+        if accumulates:
+            # in first's pool, so that the activations take memory once: safe, as `more` keeps
+            # no tensor of its own for anything to read after its replay
+            more, _ = capture(
+                lambda: self._micro_batch(state, settings, accumulate=True), first.pool()
+            )
+        norm, _ = capture(lambda: self._norm(state))
+        update, _ = capture(lambda: self._update(state, settings.max_grad_norm))
+        return first, more, norm, update
+
+    def _micro_batch(self, state: _State, settings: TrainSettings, accumulate: bool) -> None:
         # (no autocast cast cache: cached casts would outlive the captured region)
         with _autocast(settings.precision, settings.device, cache=False):
             output = state.model(
                 input_ids=self.input_ids, labels=self.labels, num_items_in_batch=self.items
             )
         output.loss.backward()
-        norm = _total_norm([p.grad for p in state.params if p.grad is not None])
-        return torch.stack([output.loss.detach().float(), norm.float().reshape(())])
+        loss = output.loss.detach()
+        if accumulate:
+            self.values[0].add_(loss)
+        else:
+            self.values[0].copy_(loss)
+
+    def _norm(self, state: _State) -> None:
+        self.values[1].copy_(_total_norm([p.grad for p in state.params if p.grad is not None]))
 
     def _update(self, state: _State, max_grad_norm: float) -> None:
         if max_grad_norm > 0:
@@ -316,11 +340,14 @@ class _StepGraphs:
 
     def step(self, state: _State, micro_batches, signum: int) -> tuple[float, str | None, bool]:
         """As ``_step``: (the loss, what was not finite or None, whether to stop)."""
-        (batch,) = micro_batches
-        self.input_ids.copy_(batch.input_ids, non_blocking=True)
-        self.labels.copy_(batch.labels, non_blocking=True)
-        self.items.fill_(batch.label_count)  # (a fill: no host-to-device copy)
-        self.backward.replay()
+        # each micro-batch's loss is over the step's labelled tokens: the step mean's gradient
+        self.items.fill_(sum(batch.label_count for batch in micro_batches))  # (no H2D copy)
+        graphs = [self.first] + [self.more] * (len(micro_batches) - 1)
+        for graph, batch in zip(graphs, micro_batches, strict=True):
+            self.input_ids.copy_(batch.input_ids, non_blocking=True)
+            self.labels.copy_(batch.labels, non_blocking=True)
+            graph.replay()
+        self.norm.replay()
         loss_value, norm_value = self.values.tolist()  # sync
         fault = _fault(loss_value, norm_value, state, self.ranks)
         if fault is None:
