@@ -160,8 +160,12 @@ def test_profile_lines_show_cuda_time_against_the_wall_step():
     from fusetune.bench.cases_e2e import profile_lines
 
     profile = {"kinds_ms": {"matmul": 60.0, "triton": 15.5}, "wall_ms": 171.0,
-               "top": [{"ms": 20.0, "calls": 16, "kernel": "nvjet_gemm"}]}  # fmt: skip
+               "top": [{"ms": 20.0, "calls": 16, "kernel": "nvjet_gemm"}],
+               "syncs": {"cudaStreamSynchronize": 2}}  # fmt: skip
     row = {"shape": "llama-3.2-1b", "batch": 4, "variant": "fusetune x2", "profile": profile}
     lines = profile_lines(row)
     assert "CUDA 75.5 ms in a 171.0 ms step" in lines[0] and "matmul 60.0" in lines[0]
-    assert "nvjet_gemm" in lines[1] and profile_lines({**row, "profile": None}) == []
+    assert lines[1].strip() == "host waits for the GPU: cudaStreamSynchronize x2"
+    assert "nvjet_gemm" in lines[2] and profile_lines({**row, "profile": None}) == []
+    quiet = {**row, "profile": {**profile, "syncs": {}}}
+    assert "waits for the GPU: none" in profile_lines(quiet)[1]

@@ -464,27 +464,33 @@ def _verify_max_batch(model, estimate: int, seq_len: int, vocab: int, device, ba
 
 def profile_step(step: Callable[[], torch.Tensor], top: int = 15) -> dict[str, Any]:
     """CUDA time of one step: per kind of kernel (matmul, attention, optimizer, PyTorch
-    elementwise, Triton, copies) and the ``top`` kernels by name."""
+    elementwise, Triton, copies) and the ``top`` kernels by name; ``syncs``: the step's calls
+    that wait for the GPU (cuda*Synchronize, blocking copies), each of which leaves the GPU
+    idle while the host then issues what follows."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        torch.cuda.synchronize()
-    kernels = []
+        torch.cuda.synchronize()  # (counted below as one cudaDeviceSynchronize: taken off)
+    kernels, syncs = [], {"cudaDeviceSynchronize": -1}
     for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "cuda_time_total", 0)
-        if device_us > 0:
-            kernels.append({"kernel": event.key[:100], "ms": device_us / 1e3, "calls": event.count})
+        if "Synchronize" in event.key or event.key == "cudaMemcpy":
+            syncs[event.key] = syncs.get(event.key, 0) + event.count
+        # the kernels themselves (a CPU op's device time is its kernels', counted there)
+        if event.device_type == DeviceType.CUDA and event.device_time_total > 0:
+            ms = event.device_time_total / 1e3
+            kernels.append({"kernel": event.key[:100], "ms": ms, "calls": event.count})
     kernels.sort(key=lambda r: -r["ms"])
     kinds: dict[str, float] = {}
     for kernel in kernels:
         kind = kernel_kind(kernel["kernel"])
         kinds[kind] = kinds.get(kind, 0.0) + kernel["ms"]
-    return {"kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": kernels[:top]}
+    syncs = {name: count for name, count in syncs.items() if count > 0}
+    return {"kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top": kernels[:top],
+            "syncs": syncs}  # fmt: skip
 
 
 def kernel_kind(name: str) -> str:
@@ -773,6 +779,9 @@ def profile_lines(row: dict[str, Any]) -> list[str]:
     if profile.get("wall_ms") is not None:  # the rest of the step is host time or gaps
         total += f" in a {profile['wall_ms']:.1f} ms step"
     lines = [f"profile {row['shape']} b{row['batch']} {row['variant']}: {total}; by kind: {kinds}"]
+    if profile.get("syncs") is not None:
+        waits = ", ".join(f"{name} x{count}" for name, count in profile["syncs"].items())
+        lines.append(f"  host waits for the GPU: {waits or 'none'}")
     lines += [f"  {p['ms']:8.2f} {p['calls']:5d}  {p['kernel']}" for p in profile["top"]]
     return lines
 

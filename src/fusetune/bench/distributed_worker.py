@@ -232,7 +232,7 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return dict(variant=job["variant"], world=dist.get_world_size(), step_ms=median,
                 step_ms_min=min(times), step_ms_max=max(times),
                 tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,
-                fused_calls=len(calls), steps=job["warmup"] + job["steps"],
+                fused_calls=len(calls), steps=job["warmup"] + job["steps"] + 2 * bool(profile),
                 fallback_warnings=fallbacks, profile=profile, note=_note(job))  # fmt: skip
 
 
