@@ -479,8 +479,10 @@ def profile_step(step: Callable[[], torch.Tensor], top: int = 15) -> dict[str, A
     for event in prof.key_averages():
         if "Synchronize" in event.key or event.key == "cudaMemcpy":
             syncs[event.key] = syncs.get(event.key, 0) + event.count
-        # the kernels themselves (a CPU op's device time is its kernels', counted there)
-        if event.device_type == DeviceType.CUDA and event.device_time_total > 0:
+        # the kernels themselves: not a CPU op (its device time is its kernels', counted there)
+        # nor a range that record_function mirrors onto the GPU's timeline (it spans kernels)
+        annotation = getattr(event, "is_user_annotation", False)
+        if event.device_type == DeviceType.CUDA and not annotation and event.device_time_total > 0:
             ms = event.device_time_total / 1e3
             kernels.append({"kernel": event.key[:100], "ms": ms, "calls": event.count})
     kernels.sort(key=lambda r: -r["ms"])
