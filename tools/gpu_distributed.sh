@@ -16,6 +16,8 @@
 #   bash tools/gpu_distributed.sh full    # issue 16's full fine-tuning targets alone, profiled:
 #     FSDP2 full Llama-3.2-1B, hf, fusetune, Liger (its fused loss off: it fails on the sharded
 #     head), fusetune and hf with each layer compiled (FULL_VARIANTS, FULL_S: up to 420 s).
+#   bash tools/gpu_distributed.sh qwen-full  # FSDP2 full Qwen2.5-0.5B, hf and fusetune, profiled,
+#     as is and with --keep-gathered (reshard_after_forward=False).
 set -uo pipefail
 OUT=${OUT:-/tmp/fusetune-gpu-distributed}
 mkdir -p "$OUT"
@@ -61,6 +63,13 @@ case "${1:-tests}" in
     bench_step zero3-lora-llama 260 --engine zero3 --lora "${llama[@]}"
     echo "=== tables"
     cat "$OUT"/bench-*/e2e-distributed.txt 2>/dev/null
+    ;;
+  qwen-full)  # issue 16's 76 % scaling: FSDP2 full Qwen2.5-0.5B as is and kept gathered
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    bench_step fsdp2-full-qwen 200 --engine fsdp2 --full --profile --shapes qwen2.5-0.5b \
+      --variants hf,fusetune
+    bench_step fsdp2-full-qwen-kept 200 --engine fsdp2 --full --profile --keep-gathered \
+      --shapes qwen2.5-0.5b --variants hf,fusetune
     ;;
   full)
     nvidia-smi -L | tee "$OUT/gpus.txt"

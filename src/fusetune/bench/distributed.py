@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true",
                         help="CUDA time by kernel kind of one more step (rank 0's) beside its "
                              "wall time")  # fmt: skip
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="FSDP2: reshard_after_forward=False (each layer's gathered "
+                             "parameters kept from its forward to its backward: one all-gather "
+                             "a layer a step, not two)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
     parser.add_argument("--out", default="bench_results", help="folder for results and logs")
     return parser
@@ -118,7 +122,8 @@ def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
         seq_len = args.seq_len or (TINY_SEQ_LEN if tiny else SEQ_LEN)
         job = dict(engine=engine, mode=mode, shape=key, variant=variant, batch=batch)
         found.append({**job, "seq_len": seq_len, "steps": args.steps, "warmup": args.warmup,
-                      "tiny": tiny, "layers": args.layers, "profile": args.profile})  # fmt: skip
+                      "tiny": tiny, "layers": args.layers, "profile": args.profile,
+                      "keep_gathered": args.keep_gathered})  # fmt: skip
     return found
 
 
@@ -382,6 +387,7 @@ def _variant_name(row: dict[str, Any]) -> str:
     if row["mode"] == "lora":
         base = "hf+peft" if base == "hf" else f"hf+peft+{base}"
     suffixes = [", adapters replicated"] * replicated + [", compiled"] * compiled
+    suffixes += [", kept gathered"] * bool(row.get("keep_gathered"))
     return base + "".join(suffixes)
 
 

@@ -97,23 +97,26 @@ def build(job: dict[str, Any], device: torch.device) -> torch.nn.Module:
     return model
 
 
-def fsdp2_step(model: torch.nn.Module, untied_head: bool, replicate_adapters: bool = False):
+def fsdp2_step(model: torch.nn.Module, untied_head: bool, replicate_adapters: bool = False,
+               keep_gathered: bool = False):  # fmt: skip
     """The step under FSDP2; ``replicate_adapters``: shard_lora's layout (the base sharded,
-    the adapters whole on every rank, in fp32: the policy casts only what FSDP2 manages)."""
+    the adapters whole on every rank, in fp32: the policy casts only what FSDP2 manages);
+    ``keep_gathered``: reshard_after_forward=False."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fusetune.integrations.fsdp import shard_lora
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    options = dict(mp_policy=policy, reshard_after_forward=not keep_gathered)
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     if replicate_adapters:
-        shard_lora(model, layers=list(causal.model.layers), mp_policy=policy)
+        shard_lora(model, layers=list(causal.model.layers), **options)
     else:
         for layer in causal.model.layers:
-            fully_shard(layer, mp_policy=policy)
+            fully_shard(layer, **options)
         if untied_head:
-            fully_shard(causal.lm_head, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(causal.lm_head, **options)
+        fully_shard(model, **options)
     trained = [p for p in model.parameters() if p.requires_grad]
     fused = next(iter(trained)).device.type == "cuda"
     optimizer = torch.optim.AdamW(trained, lr=LR, fused=fused)
@@ -209,7 +212,8 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         step = zero3_step(model, job["batch"])
     else:
         step = fsdp2_step(model, untied_head=job["mode"] == "full",
-                          replicate_adapters="-shard-lora" in job["variant"])  # fmt: skip
+                          replicate_adapters="-shard-lora" in job["variant"],
+                          keep_gathered=job.get("keep_gathered", False))  # fmt: skip
         if job["variant"].endswith("-compiled"):
             compile_each_layer(model, device)
     gc.collect()  # what sharding released, before the training peak starts counting
