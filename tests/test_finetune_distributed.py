@@ -21,27 +21,48 @@ WORLD = 2
 ARGV = ["--steps", "2", "--seq-len", "32", "--precision", "fp32", "--grad-accum", "2"]
 
 
-def rank_main(rank: int, port: int, output: str) -> None:
+def rank_main(rank: int, port: int, output: str, layout: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     device = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
-    code = main([*ARGV, "--batch-size", "1", "--device", device, "--output", output])
+    code = main([*ARGV, *layout, "--batch-size", "1", "--device", device, "--output", output])
     assert code == 0
 
 
-@pytest.mark.skipif(
+TWO_RANKS = pytest.mark.skipif(
     torch.cuda.device_count() == 1,
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
 )
-def test_two_ranks_match_one_process(tmp_path):
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs on 2 GPUs")
+
+
+@pytest.mark.parametrize(
+    "layout,label",
+    [
+        pytest.param([], "2 ranks (FSDP2, adapters replicated)", marks=TWO_RANKS, id="fsdp2"),
+        pytest.param(["--replicate"], "2 ranks (replicated)", marks=TWO_RANKS, id="replicate"),
+        # 2 eager steps, the capture, 2 replays; the adapters' gradients averaged in the graph
+        pytest.param(
+            ["--cuda-graph", "--steps", "5"],
+            "CUDA graphs on 2 ranks (replicated)",
+            marks=TWO_GPUS,
+            id="cuda-graph",
+        ),  # fmt: skip
+    ],
+)
+def test_two_ranks_match_one_process(tmp_path, layout, label):
+    """FSDP2 (the base sharded, shard_lora), the model replicated, and the replicated model's
+    step replayed from CUDA graphs: each against one process with the same options."""
     one = tmp_path / "one"
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert main([*ARGV, "--batch-size", str(WORLD), "--device", device, "--output", str(one)]) == 0
+    argv = [*ARGV, *layout, "--batch-size", str(WORLD), "--device", device, "--output", str(one)]
+    assert main(argv) == 0
     two = tmp_path / "two"
-    mp.spawn(rank_main, args=(free_port(), str(two)), nprocs=WORLD, join=True)
+    mp.spawn(rank_main, args=(free_port(), str(two), layout), nprocs=WORLD, join=True)
     want = json.loads((one / MARKER).read_text())["runs"][0]
     got = json.loads((two / MARKER).read_text())["runs"][0]
-    assert "2 ranks (FSDP2, adapters replicated)" in got["label"]  # shard_lora
+    assert label in got["label"]
+    assert len(got["losses"]) == len(want["losses"]) == (5 if "--cuda-graph" in layout else 2)
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
     from safetensors.torch import load_file
 
@@ -69,4 +90,25 @@ def test_accelerate_engine_plugins_are_refused(variable, tmp_path, capsys, monke
     assert main(["--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert variable in err and "FSDP2" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--cuda-graph", "--full"], "--cuda-graph under torchrun: LoRA only"),
+        (["--replicate", "--full"], "argument --replicate: LoRA only"),
+    ],
+    ids=["cuda-graph-full", "replicate-full"],
+)
+def test_replicated_layouts_are_lora_only(argv, message, tmp_path, capsys, monkeypatch):
+    """Full fine-tuning keeps FSDP2 under torchrun: a replicated or graphed full run is refused
+    with the reason, before anything is written."""
+    from fusetune.finetune import command, distributed
+
+    monkeypatch.setattr(
+        command.distributed, "setup", lambda device: (distributed.Ranks(0, 2), device)
+    )
+    assert main([*argv, "--output", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -150,8 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph",
         action="store_true",
         help="replay each step from CUDA graphs (the host's launches leave the step; "
-        "fusetune.graph_train_step): every batch padded to the longest example; one GPU, "
-        "bf16 or fp32",
+        "fusetune.graph_train_step): every batch padded to the longest example; bf16 or "
+        "fp32; under torchrun, LoRA with the model replicated (--replicate)",
+    )
+    how.add_argument(
+        "--replicate",
+        action="store_true",
+        help="under torchrun, LoRA: every rank holds the whole model and the adapters' "
+        "gradients are averaged once a step (no FSDP2: for a base that fits one GPU, without "
+        "FSDP2's per-layer work); --cuda-graph under torchrun implies it",
     )
     how.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     how.add_argument(
@@ -215,6 +222,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         build_parser().error(
             "argument --load-in-4bit: a 4-bit base is frozen; use LoRA, not --full"
         )
+    if args.replicate and args.full:
+        build_parser().error("argument --replicate: LoRA only (full fine-tuning shards its "
+                             "gradients and optimizer state with FSDP2)")  # fmt: skip
     if args.merge and args.full:
         build_parser().error("argument --merge: merges a LoRA adapter; --full saves the model")
     if args.compare and (args.save_every or args.resume):

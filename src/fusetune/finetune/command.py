@@ -152,8 +152,13 @@ def run(args: argparse.Namespace) -> int:
     args.ranks, args.device = distributed.setup(args.device)
     try:
         if args.ranks.world > 1 and args.cuda_graph:
-            raise FinetuneError("--cuda-graph runs on one process (FSDP2 gathers each layer's "
-                                "weights at new addresses every step)")  # fmt: skip
+            if args.full:
+                raise FinetuneError(
+                    "--cuda-graph under torchrun: LoRA only (the base replicated on every rank, "
+                    "the adapters' gradients averaged in the graph); full fine-tuning shards "
+                    "with FSDP2, which gathers each layer's weights at new addresses every step"
+                )
+            args.replicate = True
         if args.ranks.world > 1 and args.load_in_4bit:
             raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
         if args.ranks.world > 1:
@@ -298,14 +303,17 @@ def train_once(
         label += " + compile" + ("" if args.compile == "default" else f" ({args.compile})")
     if checkpoints is not None:
         check_space(Path(args.output), checkpoint.estimate_bytes(model), "a checkpoint")
-    if args.ranks.world > 1:
+    replicated = args.ranks.world > 1 and args.replicate
+    if replicated:
+        label += f" on {args.ranks.world} ranks (replicated)"
+    elif args.ranks.world > 1:
         distributed.shard(model)
         layout = ", adapters replicated" if distributed.is_lora(model) else ""
         label += f" on {args.ranks.world} ranks (FSDP2{layout})"
     settings = TrainSettings(
         args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks,
         args.lr_schedule, args.warmup_steps, args.skip_nonfinite, bool(args.compile),
-        args.cuda_graph,
+        args.cuda_graph, replicated,
     )  # fmt: skip
     progress = ProgressBar(args.steps, label) if args.ranks.main else None
     return train(model, plan.steps, settings, label, progress, checkpoints), model

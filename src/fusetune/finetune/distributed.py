@@ -6,7 +6,12 @@ the fused loss reads it directly). The loss of each micro-batch is its sum over 
 divided by the step's token count over all ranks (HF's ``num_items_in_batch``, all-reduced), and
 FSDP2 averages gradients over ranks, so the loss is scaled by the world size for the backward:
 the step's gradient is that of the mean over every token of every rank, as on one process.
-Rank 0 prints and saves (a full state dict gathered from the shards)."""
+Rank 0 prints and saves (a full state dict gathered from the shards).
+
+``--replicate`` (LoRA; implied by ``--cuda-graph`` under torchrun) shards nothing: every rank
+holds the whole model, as DDP does, and the adapters' gradients are averaged once a step by
+:func:`average_gradients` (one flat all-reduce, inside the step's CUDA graph under --cuda-graph,
+where FSDP2's gathers could not be replayed)."""
 
 from __future__ import annotations
 
@@ -65,6 +70,27 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def average_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> None:
+    """Replace each gradient by its mean over the ranks, in place (the tensors stay where a
+    CUDA graph reads them): one flat float32 all-reduce; a missing gradient counts as zeros."""
+    if ranks.world == 1:
+        return
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [param.grad for param in params]
+    flat = torch.cat([grad.reshape(-1).float() for grad in grads])
+    dist.all_reduce(flat)
+    flat /= ranks.world
+    torch._foreach_copy_(
+        grads,
+        [
+            piece.view_as(grad)
+            for piece, grad in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
+        ],
+    )
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 from fusetune.finetune import schedule
 from fusetune.finetune.checkpoint import Checkpointing
 from fusetune.finetune.data import Batch
-from fusetune.finetune.distributed import Ranks, all_sum
+from fusetune.finetune.distributed import Ranks, all_sum, average_gradients
 from fusetune.finetune.errors import FinetuneError, Interrupted, RunStopped
 from fusetune.finetune.interrupt import StopRequests
 from fusetune.finetune.precision import Precision
@@ -81,6 +81,7 @@ class TrainSettings:
     skip_nonfinite: bool = False
     compiled: bool = False  # torch.compile'd: steps that compile are left out of tokens/s
     cuda_graph: bool = False  # steps replayed from CUDA graphs (_StepGraphs)
+    replicated: bool = False  # every rank holds the whole model: gradients averaged here
 
 
 @dataclass
@@ -235,9 +236,11 @@ def _step(
                 num_items_in_batch=items,
             )
         loss = output.loss
-        scaled = loss * ranks.world  # FSDP2 averages gradients over ranks: sum them instead
+        scaled = loss * ranks.world  # gradients are averaged over ranks: sum them instead
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += loss.detach().float()
+    if settings.replicated:
+        average_gradients(state.params, ranks)
     # the stop flag rides with the loss: every rank learns that one was signalled
     flag = torch.full((), float(signum > 0), device=device)  # a fill: no host-to-device copy
     packed = all_sum(torch.stack([total, flag]), ranks)
@@ -276,16 +279,20 @@ class _StepGraphs:
     gradients' norm; ``update``, clipping and the AdamW update. Between ``norm`` and ``update``
     the host reads the loss and the norm, as ``_step`` does, so a bad step still never updates.
     The graphs own the gradients, so nothing zeroes them: ``first`` writes them afresh, ``more``
-    adds to them. One process, no loss scaling (the command refuses the rest). Batches have one
-    shape and go in without their attention mask: rows are right-padded, so under the causal
-    mask no real token sees a pad, and pads carry no label (the loss is the masked run's)."""
+    adds to them. On several ranks the model is replicated (``--replicate``): ``norm`` first
+    averages the gradients (NCCL inside the graph), and the step's token count, loss and stop
+    flag are summed over the ranks around the replays, outside the graphs. No loss scaling (the
+    command refuses the rest). Batches have one shape and go in without their attention mask:
+    rows are right-padded, so under the causal mask no real token sees a pad, and pads carry no
+    label (the loss is the masked run's)."""
 
     def __init__(self, state: _State, micro_batches: list[Batch], settings: TrainSettings) -> None:
         device = settings.device
         self.input_ids = micro_batches[0].input_ids.to(device)
         self.labels = micro_batches[0].labels.to(device)
         self.items = torch.zeros((), dtype=torch.long, device=device)
-        self.values = torch.zeros(2, device=device)  # [the step's loss, the gradients' norm]
+        # [the step's loss, the stop flag] (summed over ranks), then the gradients' norm
+        self.values = torch.zeros(3, device=device)
         self.ranks = settings.ranks
         torch.cuda.synchronize(device)
         # captured with no gradients, `first` allocates them from its pool and keeps them; each
@@ -313,7 +320,7 @@ class _StepGraphs:
             more, _ = capture(
                 lambda: self._micro_batch(state, settings, accumulate=True), first.pool()
             )
-        norm, _ = capture(lambda: self._norm(state))
+        norm, _ = capture(lambda: self._norm(state, settings.replicated))
         update, _ = capture(lambda: self._update(state, settings.max_grad_norm))
         return first, more, norm, update
 
@@ -323,36 +330,42 @@ class _StepGraphs:
             output = state.model(
                 input_ids=self.input_ids, labels=self.labels, num_items_in_batch=self.items
             )
-        output.loss.backward()
+        world = self.ranks.world  # gradients are averaged over ranks (_norm): sum them instead
+        (output.loss * world if world > 1 else output.loss).backward()
         loss = output.loss.detach()
         if accumulate:
             self.values[0].add_(loss)
         else:
             self.values[0].copy_(loss)
 
-    def _norm(self, state: _State) -> None:
-        self.values[1].copy_(_total_norm([p.grad for p in state.params if p.grad is not None]))
+    def _norm(self, state: _State, replicated: bool) -> None:
+        if replicated:
+            average_gradients(state.params, self.ranks)
+        self.values[2].copy_(_total_norm([p.grad for p in state.params if p.grad is not None]))
 
     def _update(self, state: _State, max_grad_norm: float) -> None:
         if max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(state.params, max_grad_norm, self.values[1])
+            torch.nn.utils.clip_grads_with_norm_(state.params, max_grad_norm, self.values[2])
         state.optimizer.step()
 
     def step(self, state: _State, micro_batches, signum: int) -> tuple[float, str | None, bool]:
         """As ``_step``: (the loss, what was not finite or None, whether to stop)."""
         # each micro-batch's loss is over the step's labelled tokens: the step mean's gradient
         self.items.fill_(sum(batch.label_count for batch in micro_batches))  # (no H2D copy)
+        all_sum(self.items, self.ranks)  # (in place; the replays wait for it on the GPU)
         graphs = [self.first] + [self.more] * (len(micro_batches) - 1)
         for graph, batch in zip(graphs, micro_batches, strict=True):
             self.input_ids.copy_(batch.input_ids, non_blocking=True)
             self.labels.copy_(batch.labels, non_blocking=True)
             graph.replay()
+        self.values[1].fill_(float(signum > 0))  # every rank learns that one was signalled
         self.norm.replay()
-        loss_value, norm_value = self.values.tolist()  # sync
+        all_sum(self.values[:2], self.ranks)
+        loss_value, stop, norm_value = self.values.tolist()  # sync
         fault = _fault(loss_value, norm_value, state, self.ranks)
         if fault is None:
             self.update.replay()
-        return loss_value, fault, signum > 0
+        return loss_value, fault, stop > 0
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
