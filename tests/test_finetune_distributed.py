@@ -5,6 +5,7 @@ with 2 GPUs, NCCL."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -34,6 +35,9 @@ TWO_RANKS = pytest.mark.skipif(
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
 )
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs on 2 GPUs")
+BNB = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="--load-in-4bit needs bitsandbytes"
+)
 
 
 @pytest.mark.parametrize(
@@ -41,6 +45,10 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs
     [
         pytest.param([], "2 ranks (FSDP2, adapters replicated)", marks=TWO_RANKS, id="fsdp2"),
         pytest.param(["--replicate"], "2 ranks (replicated)", marks=TWO_RANKS, id="replicate"),
+        # QLoRA data parallel: the 4-bit base quantised alike on every rank
+        pytest.param(
+            ["--load-in-4bit"], "2 ranks (replicated)", marks=[TWO_RANKS, BNB], id="load-in-4bit"
+        ),  # fmt: skip
         # 2 eager steps, the capture, 2 replays; the adapters' gradients averaged in the graph
         pytest.param(
             ["--cuda-graph", "--steps", "5"],

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="under torchrun, LoRA: every rank holds the whole model and the adapters' "
         "gradients are averaged once a step (no FSDP2: for a base that fits one GPU, without "
-        "FSDP2's per-layer work); --cuda-graph under torchrun implies it",
+        "FSDP2's per-layer work); --cuda-graph and --load-in-4bit under torchrun imply it",
     )
     how.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     how.add_argument(

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             args.replicate = True
         if args.ranks.world > 1 and args.load_in_4bit:
-            raise FinetuneError("--load-in-4bit runs on one process; FSDP2 does not shard it here")
+            args.replicate = True  # (FSDP2 does not shard bitsandbytes' 4-bit weights here)
         if args.ranks.world > 1:
             _refuse_accelerate_engines()
         if args.ranks.world > 1 and args.compile == "reduce-overhead":

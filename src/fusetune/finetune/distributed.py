@@ -8,7 +8,8 @@ FSDP2 averages gradients over ranks, so the loss is scaled by the world size for
 the step's gradient is that of the mean over every token of every rank, as on one process.
 Rank 0 prints and saves (a full state dict gathered from the shards).
 
-``--replicate`` (LoRA; implied by ``--cuda-graph`` under torchrun) shards nothing: every rank
+``--replicate`` (LoRA; implied by ``--cuda-graph`` and ``--load-in-4bit`` under torchrun: FSDP2
+does not shard bitsandbytes' 4-bit weights here) shards nothing: every rank
 holds the whole model, as DDP does, and the adapters' gradients are averaged once a step by
 :func:`average_gradients` (one flat all-reduce, inside the step's CUDA graph under --cuda-graph,
 where FSDP2's gathers could not be replayed)."""
