@@ -74,24 +74,12 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def average_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> None:
-    """Replace each gradient by its mean over the ranks, in place (the tensors stay where a
-    CUDA graph reads them): one flat float32 all-reduce; a missing gradient counts as zeros."""
-    if ranks.world == 1:
-        return
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-    grads = [param.grad for param in params]
-    flat = torch.cat([grad.reshape(-1).float() for grad in grads])
-    dist.all_reduce(flat)
-    flat /= ranks.world
-    torch._foreach_copy_(
-        grads,
-        [
-            piece.view_as(grad)
-            for piece, grad in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
-        ],
-    )
+    """Each gradient replaced by its mean over the ranks, in place (see
+    :func:`fusetune.integrations.fsdp.average_gradients`); nothing on one process."""
+    if ranks.world > 1:
+        from fusetune.integrations.fsdp import average_gradients as average
+
+        average(params)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -115,6 +115,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def average_gradients(params: list[torch.nn.Parameter], group=None) -> None:
+    """Replace each of ``params``' gradients by its mean over ``group``'s ranks (default: every
+    rank), in place: the tensors stay where a CUDA graph reads them. One flat float32
+    all-reduce; a missing gradient counts as zeros (and is set). Every rank must call it with
+    the same parameters."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [param.grad for param in params]
+    flat = torch.cat([grad.reshape(-1).float() for grad in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    pieces = flat.split([grad.numel() for grad in grads])
+    torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(pieces, grads, strict=True)])
+
+
 class GradientAverage:
     """Averages ``params``' gradients over ``group`` once per backward, after the last of them
     has accumulated: the first accumulation of a backward queues the average as a callback of
@@ -132,13 +148,7 @@ class GradientAverage:
 
     def average(self) -> None:
         self.queued = False
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        flat /= dist.get_world_size(self.group)
-        pieces = flat.split([g.numel() for g in grads])
-        for param, averaged in zip(self.params, pieces, strict=True):
-            param.grad = averaged.view_as(param).to(param.dtype)
+        average_gradients(self.params, self.group)
 
     def remove(self) -> None:
         for handle in self.handles:
