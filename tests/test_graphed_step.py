@@ -173,9 +173,61 @@ def test_arguments_are_checked_by_name():
         fusetune.graph_train_step(model, optimizer, ids, warmup=0)
     with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
         fusetune.graph_train_step(model, optimizer, ids, max_grad_norm=-1.0)
+    if not torch.distributed.is_initialized():
+        with pytest.raises(ValueError, match="process_group given, but torch.distributed is not"):
+            fusetune.graph_train_step(model, optimizer, ids, process_group=object())
     step = fusetune.graph_train_step(model, optimizer, ids)
     with pytest.raises(ValueError, match=r"input_ids must be \(2, 24\) torch.int64"):
         step(ids[:, :-1])
+
+
+# ------------------------------------------------------------------ data parallel, 2 GPUs
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="data parallel on 2 GPUs")
+
+
+def data_parallel_rank(rank: int, port: int, folder: str) -> None:
+    """One rank: row ``rank`` of every batch, the gradients averaged inside the graph."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    try:
+        model = tiny_lora_llama(True)
+        optimizer = adamw(model, 1e-3)
+        ids, labels = next(batches(1))
+        mine = slice(rank, rank + 1)
+        step = fusetune.graph_train_step(model, optimizer, ids[mine], labels[mine], warmup=2,
+                                         process_group=dist.group.WORLD)  # fmt: skip
+        losses = torch.stack([step(ids[mine], labels[mine]) for ids, labels in batches(STEPS)])
+        dist.all_reduce(losses)  # each row has as many labels: the batch's mean, twice
+        assert step.captured
+        if rank == 0:
+            trained = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            torch.save({"losses": (losses / 2).cpu(), "params": trained}, f"{folder}/rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@TWO_GPUS
+def test_data_parallel_graph_trains_as_one_process_on_the_whole_batch(tmp_path):
+    """Two ranks, one row of each batch apiece, the adapters' gradients averaged by an
+    all-reduce captured in the graph: the losses of one process on both rows, eagerly."""
+    import torch.multiprocessing as mp
+
+    from harness import free_port
+
+    model = tiny_lora_llama(True)
+    want = eager_losses(model, adamw(model, 1e-3, capturable=False), None, 0.0)
+    mp.spawn(data_parallel_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt")
+    torch.testing.assert_close(got["losses"].tolist(), want, rtol=1e-5, atol=1e-5)
+    # (AdamW moves an element whose gradient is ~0 by ~lr whatever its sign: 1e-3)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(got["params"][name], param.detach().cpu(), rtol=0, atol=1e-3)
 
 
 # ------------------------------------------------------------------ finetune --cuda-graph

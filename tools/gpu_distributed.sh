@@ -49,7 +49,7 @@ case "${1:-tests}" in
     timeout 560 python3 -m pytest -q -p no:cacheprovider -rxs --durations=15 tests/test_distributed.py \
       tests/test_bench_distributed.py tests/test_finetune_distributed.py \
       tests/test_grpo_distributed.py tests/test_trl_fsdp.py tests/test_compile_fsdp.py \
-      tests/test_fsdp_lora.py 2>&1 \
+      tests/test_fsdp_lora.py tests/test_graphed_step.py 2>&1 \
       | tee "$OUT/distributed-tests.log" | tail -40
     ;;
   bench)

@@ -51,6 +51,7 @@ def graph_train_step(
     autocast_dtype: torch.dtype | None = None,
     max_grad_norm: float = 0.0,
     warmup: int = DEFAULT_WARMUP,
+    process_group=None,
 ) -> GraphedStep:
     """A training step of ``model`` (a causal LM called as ``model(input_ids=, labels=)``)
     that replays one CUDA graph; call it with each batch: ``loss = step(input_ids, labels)``.
@@ -64,6 +65,10 @@ def graph_train_step(
             (no loss scaling: bf16 is the one to use); None: no autocast.
         max_grad_norm: > 0 clips the gradients' total 2-norm to it, on the device.
         warmup: eager steps before the capture (>= 1).
+        process_group: data parallel with ``model`` whole on every rank (as DDP, unwrapped):
+            the trainable gradients are averaged over this group's ranks inside the graph,
+            before clipping (one flat all-reduce, captured); ``torch.distributed.group.WORLD``
+            for every rank. None: one process. The returned loss is this rank's.
 
     Returns a :class:`GraphedStep`; its calls return the step's loss, a float32 0-dim tensor on
     the device (reading it syncs).
@@ -71,9 +76,11 @@ def graph_train_step(
     Raises ValueError naming the argument: an optimizer without ``capturable=True``; input_ids
     not an int64 (B, T) CUDA tensor; labels of another shape, dtype or device; autocast_dtype
     not bf16 / fp16; a negative max_grad_norm; warmup < 1; a model without trainable
-    parameters.
+    parameters; a process_group without an initialised torch.distributed.
     """
-    return GraphedStep(model, optimizer, input_ids, labels, autocast_dtype, max_grad_norm, warmup)
+    return GraphedStep(
+        model, optimizer, input_ids, labels, autocast_dtype, max_grad_norm, warmup, process_group
+    )
 
 
 class GraphedStep:
@@ -88,8 +95,15 @@ class GraphedStep:
         autocast_dtype: torch.dtype | None,
         max_grad_norm: float,
         warmup: int,
+        process_group=None,
     ) -> None:
         _check_arguments(optimizer, input_ids, labels, autocast_dtype, max_grad_norm, warmup)
+        if process_group is not None and not torch.distributed.is_initialized():
+            raise ValueError(
+                "graph_train_step: process_group given, but torch.distributed is not "
+                "initialised (init_process_group first)"
+            )
+        self.process_group = process_group
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("graph_train_step: model has no parameter that requires grad")
@@ -133,6 +147,10 @@ class GraphedStep:
         with amp:
             loss = self.model(input_ids=self.input_ids, labels=self.labels).loss
         loss.backward()
+        if self.process_group is not None:
+            from fusetune.integrations.fsdp import average_gradients
+
+            average_gradients(self.params, self.process_group)
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
         self.optimizer.step()
