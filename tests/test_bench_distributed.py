@@ -83,6 +83,8 @@ def test_launches_share_a_process_only_under_fsdp2_and_without_liger():
     assert [[j["variant"] for j in unit] for unit in units] == [["hf", "fusetune"], ["liger"]]
     zero3 = [{**job, "engine": "zero3"} for job in group]
     assert [len(unit) for unit in distributed.launch_units(zero3)] == [1, 1, 1]
+    ddp = [{**job, "engine": "ddp"} for job in group]
+    assert [len(unit) for unit in distributed.launch_units(ddp)] == [2, 1]
 
 
 def test_jobs_order_and_choices():
@@ -111,6 +113,12 @@ def test_jobs_order_and_choices():
     both = {**replicated, "variant": "fusetune-shard-lora-compiled"}
     assert distributed.not_run({**both, "mode": "full"}, cuda=True).endswith("for LoRA")
     assert distributed._variant_name(both) == "hf+peft+fusetune, adapters replicated, compiled"
+    graph = {**found[3], "engine": "ddp", "variant": "fusetune-graph"}
+    assert distributed.not_run(graph, cuda=True) is None
+    assert distributed.not_run(graph, cuda=False).endswith("a CUDA graph needs a GPU")
+    assert distributed.not_run({**graph, "engine": "fsdp2"}, cuda=True).endswith("for LoRA")
+    ddp_compiled = {**graph, "variant": "fusetune-compiled"}
+    assert distributed.not_run(ddp_compiled, cuda=True).endswith("run under FSDP2")
     args.variants = "hf,nope"
     with pytest.raises(SystemExit, match="--variants: unknown"):
         distributed.jobs(args, tiny=True)
@@ -120,22 +128,28 @@ def test_jobs_order_and_choices():
     torch.cuda.device_count() == 1,
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
 )
-def test_command_on_two_ranks(tmp_path, capsys):
-    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own: the 1-rank
-    and the 2-rank launch both give a row with the fused loss on every step and a scaling
-    efficiency."""
-    argv = ["bench", "e2e", "--nproc", "2", "--tiny", "--full", "--variants", "fusetune",
+@pytest.mark.parametrize("layout", [["--engine", "fsdp2", "--full"], ["--engine", "ddp"]],
+                         ids=["fsdp2-full", "ddp-lora"])  # fmt: skip
+def test_command_on_two_ranks(tmp_path, capsys, layout):
+    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own, and LoRA
+    with the model whole on every rank (DDP; on GPUs also graphed): the 1-rank and the 2-rank
+    launch both give a row with the fused loss on every step that runs the model's Python (a
+    graphed step: its eager steps and the capture) and a scaling efficiency."""
+    graphed = layout[1] == "ddp" and torch.cuda.is_available()
+    variants = "fusetune,fusetune-graph" if graphed else "fusetune"
+    argv = ["bench", "e2e", "--nproc", "2", "--tiny", *layout, "--variants", variants,
             "--shapes", "llama-3.2-1b", "--steps", "1", "--warmup", "1", "--seq-len", "16",
             "--out", str(tmp_path)]  # fmt: skip
     code = cli_main(argv)
     printed = capsys.readouterr().out
     rows = json.loads((tmp_path / "e2e-distributed.json").read_text())["rows"]
-    assert [r["nproc"] for r in rows] == [1, 2], rows
+    assert sorted(r["nproc"] for r in rows) == [1, 2] * (1 + graphed), rows
     for got in rows:
         assert "error" not in got, (got, (tmp_path / got["log"]).read_text()[-3000:])
-        assert got["fused_calls"] == got["steps"] == 2 and got["fallback_warnings"] == []
-        assert got["world"] == got["nproc"]
-    assert rows[1]["efficiency"] > 0 and code == 0
+        eager = got["variant"] != "fusetune-graph"
+        assert got["fused_calls"] == got["steps"] == (2 if eager else 4), got
+        assert got["fallback_warnings"] == [] and got["world"] == got["nproc"]
+    assert all(r["efficiency"] > 0 for r in rows if r["nproc"] == 2) and code == 0
     assert "fusetune" in printed and "2/2" in printed
 
 

@@ -16,6 +16,9 @@
 #   bash tools/gpu_distributed.sh full    # issue 16's full fine-tuning targets alone, profiled:
 #     FSDP2 full Llama-3.2-1B, hf, fusetune, Liger (its fused loss off: it fails on the sharded
 #     head), fusetune and hf with each layer compiled (FULL_VARIANTS, FULL_S: up to 420 s).
+#   bash tools/gpu_distributed.sh ddp-lora   # LoRA data parallel: DDP (hf, fusetune) and
+#     fusetune-graph (graph_train_step, the gradients averaged in the graph), then FSDP2 with
+#     shard_lora, Llama-3.2-1B (~7 minutes).
 #   bash tools/gpu_distributed.sh qwen-full  # FSDP2 full Qwen2.5-0.5B, hf and fusetune, profiled,
 #     as is and with --keep-gathered (reshard_after_forward=False).
 set -uo pipefail
@@ -63,6 +66,14 @@ case "${1:-tests}" in
     bench_step zero3-lora-llama 260 --engine zero3 --lora "${llama[@]}"
     echo "=== tables"
     cat "$OUT"/bench-*/e2e-distributed.txt 2>/dev/null
+    ;;
+  ddp-lora)  # LoRA with the model whole on every rank: DDP, and fusetune's graphed step with the
+    # gradients averaged inside the graph, beside FSDP2 with the adapters replicated
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    bench_step ddp-lora-llama 300 --engine ddp --lora --profile --shapes llama-3.2-1b \
+      --variants hf,fusetune,fusetune-graph
+    bench_step fsdp2-lora-llama 200 --engine fsdp2 --lora --shapes llama-3.2-1b \
+      --variants hf-shard-lora,fusetune-shard-lora
     ;;
   qwen-full)  # issue 16's 76 % scaling: FSDP2 full Qwen2.5-0.5B as is and kept gathered
     nvidia-smi -L | tee "$OUT/gpus.txt"

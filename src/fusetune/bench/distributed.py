@@ -1,6 +1,7 @@
-"""``python -m fusetune bench e2e --nproc N``: training steps on N GPUs under FSDP2 or DeepSpeed
-ZeRO-3, for HF (+ PEFT for LoRA), + Liger-Kernel and + fusetune, each also on 1 GPU for the
-scaling efficiency (tokens/s per GPU at N over that at 1, the same variant and engine).
+"""``python -m fusetune bench e2e --nproc N``: training steps on N GPUs under FSDP2, DeepSpeed
+ZeRO-3 or DDP (the model whole on every rank), for HF (+ PEFT for LoRA), + Liger-Kernel and +
+fusetune, each also on 1 GPU for the scaling efficiency (tokens/s per GPU at N over that at 1,
+the same variant and engine).
 
 Each size is a torchrun launch per configuration (``fusetune.bench.distributed_worker`` says
 what a launch builds and measures): HF and fusetune share one under FSDP2 (the imports and the
@@ -48,9 +49,9 @@ from fusetune.finetune.distributed import free_port
 
 VARIANTS = ("hf", "liger", "fusetune", "hf-compiled", "fusetune-compiled", "hf-shard-lora",
             "fusetune-shard-lora", "hf-shard-lora-compiled",
-            "fusetune-shard-lora-compiled")  # fmt: skip
+            "fusetune-shard-lora-compiled", "fusetune-graph")  # fmt: skip
 DEFAULT_VARIANTS = VARIANTS[:3]  # the others (FSDP2 only) on request
-ENGINES = ("fsdp2", "zero3")
+ENGINES = ("fsdp2", "zero3", "ddp")
 TAG = "RESULT "
 LAUNCH_TIMEOUT_S = 240
 ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$")
@@ -64,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--nproc", type=gpu_counts, required=True,
                         help="GPUs (ranks) per launch; a list (2,4,8) runs each")  # fmt: skip
-    parser.add_argument("--engine", default="fsdp2", help="fsdp2, zero3 or both (comma list)")
+    parser.add_argument("--engine", default="fsdp2",
+                        help="fsdp2, zero3, ddp (the model whole on every rank) or a comma "
+                             "list")  # fmt: skip
     parser.add_argument("--full", action="store_true", help="full fine-tuning")
     parser.add_argument("--lora", action="store_true", help="LoRA (the default; both: both)")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {list(SHAPES)}")
@@ -73,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "decoder layer compiled after sharding; FSDP2 only), "
                              "hf-shard-lora, fusetune-shard-lora (FSDP2 LoRA: the adapters "
                              "replicated, fusetune.integrations.fsdp.shard_lora), and both "
-                             "(hf-shard-lora-compiled, fusetune-shard-lora-compiled)")  # fmt: skip
+                             "(hf-shard-lora-compiled, fusetune-shard-lora-compiled); "
+                             "fusetune-graph (ddp LoRA: fusetune.graph_train_step, the "
+                             "gradients averaged inside the graph)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=None, help="per GPU (default: e2e's)")
     parser.add_argument("--seq-len", type=int, default=None, help=f"(default: {SEQ_LEN})")
     parser.add_argument("--layers", type=int, default=None,
@@ -131,8 +136,12 @@ def not_run(job: dict[str, Any], cuda: bool) -> str | None:
     """Why a job cannot run here (a note, not an error), or None."""
     if not cuda and job["variant"] == "liger":
         return "skipped: Liger-Kernel needs CUDA"
-    if job["engine"] == "zero3" and job["variant"].endswith("-compiled"):
+    if job["engine"] != "fsdp2" and job["variant"].endswith("-compiled"):
         return "skipped: the compiled variants run under FSDP2"
+    if job["variant"] == "fusetune-graph" and (job["engine"], job["mode"]) != ("ddp", "lora"):
+        return "skipped: the graphed step is the ddp engine's, for LoRA"
+    if job["variant"] == "fusetune-graph" and not cuda:
+        return "skipped: a CUDA graph needs a GPU"
     lora_fsdp2 = (job["engine"], job["mode"]) == ("fsdp2", "lora")
     if "-shard-lora" in job["variant"] and not lora_fsdp2:
         return "skipped: shard_lora is FSDP2 for LoRA"
@@ -244,11 +253,11 @@ def tagged(text: str) -> list[dict[str, Any]]:
 
 
 def launch_units(group: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The launches of one configuration: under FSDP2 the variants other than Liger share one
-    (a process group and the imports paid once; fusetune runs after HF, its patches are
-    per model), Liger (which patches transformers for the whole process) and every ZeRO-3
+    """The launches of one configuration: under FSDP2 or DDP the variants other than Liger
+    share one (a process group and the imports paid once; fusetune runs after HF, its patches
+    are per model), Liger (which patches transformers for the whole process) and every ZeRO-3
     run (DeepSpeed does not hand back an engine's memory) get one each."""
-    shared = [j for j in group if j["engine"] == "fsdp2" and j["variant"] != "liger"]
+    shared = [j for j in group if j["engine"] != "zero3" and j["variant"] != "liger"]
     alone = [[j] for j in group if j not in shared]
     return ([shared] if shared else []) + alone
 

@@ -8,7 +8,12 @@ Models (random weights, shapes of ``cases_e2e.SHAPES``), fp32 parameters:
 - LoRA (PEFT r=16 alpha=32 on every linear layer, base frozen) under FSDP2: the real tied
   embeddings, the head in the root group; variants hf-shard-lora and fusetune-shard-lora shard
   the base alone (fusetune.integrations.fsdp.shard_lora: the adapters replicated, in fp32);
-- ZeRO-3 (either mode): the real tied embeddings, DeepSpeed partitions everything.
+- ZeRO-3 (either mode): the real tied embeddings, DeepSpeed partitions everything;
+- DDP (either mode): the model whole on every rank in torch's DistributedDataParallel (LoRA's
+  usual data parallel with HF / accelerate), bf16 autocast over the fp32 parameters; variant
+  fusetune-graph (LoRA) has no DDP wrapper: ``fusetune.graph_train_step`` with the process group
+  averages the adapters' gradients inside its CUDA graph (its fused-loss calls are the eager
+  warm-up steps' and the capture's: the replays run no Python).
 FSDP2 runs with ``MixedPrecisionPolicy(bf16 parameters, fp32 reductions)``, fp32 masters and
 torch's fused AdamW; ZeRO-3 with ``bf16`` on (bf16 parameters, fp32 masters) and
 ``"torch_adam": true`` (no DeepSpeed CUDA op to build). On a machine without a GPU: gloo, tiny
@@ -43,6 +48,7 @@ from fusetune.bench.cases_e2e import (
     profile_step,
 )
 from fusetune.bench.harness import synchronize
+from fusetune.graphed_step import DEFAULT_WARMUP
 
 TAG = "RESULT "
 LR = 1e-5
@@ -139,6 +145,41 @@ def compile_each_layer(model: torch.nn.Module, device: torch.device) -> None:
         layer.compile(**options)
 
 
+def ddp_step(model: torch.nn.Module, device: torch.device, graphed: bool):
+    """The step with the model whole on every rank: DDP, or (``graphed``) one CUDA graph a step
+    with the trainable gradients averaged inside it (built at the first call, from its batch)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    cuda = device.type == "cuda"
+    if graphed:
+        import fusetune
+
+        lr = torch.tensor(LR, device=device)
+        optimizer = torch.optim.AdamW(trained, lr=lr, fused=True, capturable=True)
+        built = []
+
+        def graph_step(ids: torch.Tensor) -> None:
+            if not built:
+                built.append(fusetune.graph_train_step(model, optimizer, ids,
+                                                       autocast_dtype=torch.bfloat16,
+                                                       process_group=dist.group.WORLD))  # fmt: skip
+            built[0](ids)
+
+        return graph_step
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.AdamW(trained, lr=LR, fused=cuda)
+
+    def step(ids: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def zero3_step(model: torch.nn.Module, batch: int):
     import deepspeed
 
@@ -210,6 +251,8 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     calls = count_fused_calls()
     if job["engine"] == "zero3":
         step = zero3_step(model, job["batch"])
+    elif job["engine"] == "ddp":
+        step = ddp_step(model, device, graphed=job["variant"] == "fusetune-graph")
     else:
         step = fsdp2_step(model, untied_head=job["mode"] == "full",
                           replicate_adapters="-shard-lora" in job["variant"],
@@ -221,7 +264,11 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     generator = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, vocab, (job["batch"], job["seq_len"]), generator=generator)
-    times, fallbacks = time_steps(step, ids.to(device), job["warmup"], job["steps"])
+    # a graphed step's eager calls and its capture stay out of the timing; they alone run the
+    # model's Python (the replays do not), so they are its fused-loss calls
+    graphed = job["variant"] == "fusetune-graph"
+    warmup = max(job["warmup"], DEFAULT_WARMUP + 1) if graphed else job["warmup"]
+    times, fallbacks = time_steps(step, ids.to(device), warmup, job["steps"])
     median = statistics.median(times)
     profile = None
     if job.get("profile") and device.type == "cuda":  # every rank steps (collectives)
@@ -233,10 +280,11 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest rank's peak
         peak = most.item() / 2**30
     tokens = job["batch"] * job["seq_len"]
+    ran = DEFAULT_WARMUP + 1 if graphed else warmup + job["steps"] + 2 * bool(profile)
     return dict(variant=job["variant"], world=dist.get_world_size(), step_ms=median,
                 step_ms_min=min(times), step_ms_max=max(times),
                 tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,
-                fused_calls=len(calls), steps=job["warmup"] + job["steps"] + 2 * bool(profile),
+                fused_calls=len(calls), steps=ran,
                 fallback_warnings=fallbacks, profile=profile, note=_note(job))  # fmt: skip
 
 
