@@ -34,7 +34,7 @@ TWO_RANKS = pytest.mark.skipif(
     torch.cuda.device_count() == 1,
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
 )
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CUDA graphs on 2 GPUs")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU pass (2 GPUs)")
 BNB = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="--load-in-4bit needs bitsandbytes"
 )
@@ -44,7 +44,8 @@ BNB = pytest.mark.skipif(
     "layout,label",
     [
         pytest.param([], "2 ranks (FSDP2, adapters replicated)", marks=TWO_RANKS, id="fsdp2"),
-        pytest.param(["--replicate"], "2 ranks (replicated)", marks=TWO_RANKS, id="replicate"),
+        # (on the CPU --load-in-4bit, which implies --replicate, covers the replicated layout)
+        pytest.param(["--replicate"], "2 ranks (replicated)", marks=TWO_GPUS, id="replicate"),
         # QLoRA data parallel: the 4-bit base quantised alike on every rank
         pytest.param(
             ["--load-in-4bit"], "2 ranks (replicated)", marks=[TWO_RANKS, BNB], id="load-in-4bit"
