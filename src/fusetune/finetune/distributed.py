@@ -9,10 +9,10 @@ the step's gradient is that of the mean over every token of every rank, as on on
 Rank 0 prints and saves (a full state dict gathered from the shards).
 
 ``--replicate`` (LoRA; implied by ``--cuda-graph`` and ``--load-in-4bit`` under torchrun: FSDP2
-does not shard bitsandbytes' 4-bit weights here) shards nothing: every rank
-holds the whole model, as DDP does, and the adapters' gradients are averaged once a step by
-:func:`average_gradients` (one flat all-reduce, inside the step's CUDA graph under --cuda-graph,
-where FSDP2's gathers could not be replayed)."""
+does not shard bitsandbytes' 4-bit weights here) shards nothing: every rank holds the whole
+model, as DDP does, and the adapters' gradients are averaged once a step by
+:func:`fusetune.integrations.fsdp.average_gradients` (one flat all-reduce; under --cuda-graph
+inside the step's CUDA graph, where FSDP2's gathers could not be replayed)."""
 
 from __future__ import annotations
 
@@ -71,15 +71,6 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
-
-
-def average_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> None:
-    """Each gradient replaced by its mean over the ranks, in place (see
-    :func:`fusetune.integrations.fsdp.average_gradients`); nothing on one process."""
-    if ranks.world > 1:
-        from fusetune.integrations.fsdp import average_gradients as average
-
-        average(params)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -18,11 +18,12 @@ import torch
 from fusetune.finetune import schedule
 from fusetune.finetune.checkpoint import Checkpointing
 from fusetune.finetune.data import Batch
-from fusetune.finetune.distributed import Ranks, all_sum, average_gradients
+from fusetune.finetune.distributed import Ranks, all_sum
 from fusetune.finetune.errors import FinetuneError, Interrupted, RunStopped
 from fusetune.finetune.interrupt import StopRequests
 from fusetune.finetune.precision import Precision
 from fusetune.finetune.progress import ProgressBar, format_memory, peak_memory
+from fusetune.integrations.fsdp import average_gradients
 
 # Steps left out of the throughput: the first one compiles and autotunes kernels.
 WARMUP_STEPS = 1
@@ -239,8 +240,8 @@ def _step(
         scaled = loss * ranks.world  # gradients are averaged over ranks: sum them instead
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += loss.detach().float()
-    if settings.replicated:
-        average_gradients(state.params, ranks)
+    if settings.replicated:  # (only on several ranks)
+        average_gradients(state.params)
     # the stop flag rides with the loss: every rank learns that one was signalled
     flag = torch.full((), float(signum > 0), device=device)  # a fill: no host-to-device copy
     packed = all_sum(torch.stack([total, flag]), ranks)
@@ -340,7 +341,7 @@ class _StepGraphs:
 
     def _norm(self, state: _State, replicated: bool) -> None:
         if replicated:
-            average_gradients(state.params, self.ranks)
+            average_gradients(state.params)
         self.values[2].copy_(_total_norm([p.grad for p in state.params if p.grad is not None]))
 
     def _update(self, state: _State, max_grad_norm: float) -> None:
