@@ -196,19 +196,30 @@ def data_parallel_rank(rank: int, port: int, folder: str) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=2)
     try:
         model = tiny_lora_llama(True)
-        optimizer = adamw(model, 1e-3)
-        ids, labels = next(batches(1))
-        mine = slice(rank, rank + 1)
-        step = fusetune.graph_train_step(model, optimizer, ids[mine], labels[mine], warmup=2,
-                                         process_group=dist.group.WORLD)  # fmt: skip
-        losses = torch.stack([step(ids[mine], labels[mine]) for ids, labels in batches(STEPS)])
-        dist.all_reduce(losses)  # each row has as many labels: the batch's mean, twice
-        assert step.captured
+        losses = train_data_parallel(model, rank)
         if rank == 0:
             trained = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
             torch.save({"losses": (losses / 2).cpu(), "params": trained}, f"{folder}/rank0.pt")
     finally:
+        # the step (its graph holds the captured all-reduce) is gone by now: destroying the
+        # process group under a live graph that captured its collectives hangs
+        torch.cuda.synchronize()
         dist.destroy_process_group()
+
+
+def train_data_parallel(model, rank: int) -> torch.Tensor:
+    """Row ``rank`` of every batch through a graphed step; the losses summed over both ranks
+    (each row has as many labels: the batch's mean, twice)."""
+    import torch.distributed as dist
+
+    ids, labels = next(batches(1))
+    mine = slice(rank, rank + 1)
+    step = fusetune.graph_train_step(model, adamw(model, 1e-3), ids[mine], labels[mine],
+                                     warmup=2, process_group=dist.group.WORLD)  # fmt: skip
+    losses = torch.stack([step(ids[mine], labels[mine]) for ids, labels in batches(STEPS)])
+    dist.all_reduce(losses)
+    assert step.captured
+    return losses
 
 
 @TWO_GPUS

@@ -19,6 +19,9 @@
 #   bash tools/gpu_distributed.sh ddp-lora   # LoRA data parallel: DDP (hf, fusetune) and
 #     fusetune-graph (graph_train_step, the gradients averaged in the graph), then FSDP2 with
 #     shard_lora, Llama-3.2-1B (~7 minutes).
+#   bash tools/gpu_distributed.sh contention  # is the eager LoRA step's 2-rank slowdown the host's?
+#     bench e2e (one process, fusetune eager) alone on GPU 0, then two at once (GPU 0 and 1, no
+#     process group), then alone with OMP_NUM_THREADS=1 (what torchrun sets for N > 1).
 #   bash tools/gpu_distributed.sh qwen-full  # FSDP2 full Qwen2.5-0.5B, hf and fusetune, profiled,
 #     as is and with --keep-gathered (reshard_after_forward=False).
 set -uo pipefail
@@ -74,6 +77,18 @@ case "${1:-tests}" in
       --variants hf,fusetune,fusetune-graph
     bench_step fsdp2-lora-llama 200 --engine fsdp2 --lora --shapes llama-3.2-1b \
       --variants hf-shard-lora,fusetune-shard-lora
+    ;;
+  contention)
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    one=(python3 -m fusetune bench e2e --shapes llama-3.2-1b --variants hf+peft+fusetune
+         --steps 20 --max-batch off --timeout 120)
+    CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/alone" 2>&1 | tee "$OUT/alone.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/pair0" > "$OUT/pair0.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 150 "${one[@]}" --out "$OUT/pair1" 2>&1 | tee "$OUT/pair1.log"
+    wait
+    tail -3 "$OUT/pair0.log"
+    OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/omp1" 2>&1 \
+      | tee "$OUT/omp1.log"
     ;;
   qwen-full)  # issue 16's 76 % scaling: FSDP2 full Qwen2.5-0.5B as is and kept gathered
     nvidia-smi -L | tee "$OUT/gpus.txt"

@@ -68,7 +68,9 @@ def graph_train_step(
         process_group: data parallel with ``model`` whole on every rank (as DDP, unwrapped):
             the trainable gradients are averaged over this group's ranks inside the graph,
             before clipping (one flat all-reduce, captured); ``torch.distributed.group.WORLD``
-            for every rank. None: one process. The returned loss is this rank's.
+            for every rank. None: one process. The returned loss is this rank's. Drop the
+            step before ``destroy_process_group``: NCCL cannot tear down a communicator that
+            a live graph has captured (it hangs).
 
     Returns a :class:`GraphedStep`; its calls return the step's loss, a float32 0-dim tensor on
     the device (reading it syncs).
