@@ -28,9 +28,19 @@ def main() -> None:
     parser.add_argument("--variant", default="fusetune")
     parser.add_argument("--engine", default="ddp", choices=("ddp", "fsdp2"))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--callers", default="", help="print the callers of these functions")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="after the process group starts, pin this rank's main thread to "
+        "core 2 + 4 x rank (NCCL's threads keep the whole mask)",
+    )
     parser.add_argument("--no-cprofile", action="store_true", help="median of plain steps")
     args = parser.parse_args()
     device = worker.setup()
+    if args.pin:  # (on Linux pid 0 is the calling thread: the main thread only)
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[(2 + 4 * dist.get_rank()) % len(cores)]})
     job = dict(engine=args.engine, mode="lora", shape="llama-3.2-1b", variant=args.variant,
                tiny=args.tiny)  # fmt: skip
     model = worker.build(job, device)
@@ -73,6 +83,8 @@ def main() -> None:
         print(f"world {dist.get_world_size()}: {wall:.1f} ms a step (profiled)")
         stats = pstats.Stats(profiler).sort_stats("tottime")
         stats.print_stats(25)
+        if args.callers:
+            stats.print_callers(args.callers)
     dist.destroy_process_group()
 
 

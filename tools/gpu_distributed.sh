@@ -22,6 +22,9 @@
 #   bash tools/gpu_distributed.sh contention  # is the eager LoRA step's 2-rank slowdown the host's?
 #     bench e2e (one process, fusetune eager) alone on GPU 0, then two at once (GPU 0 and 1, no
 #     process group), then alone with OMP_NUM_THREADS=1 (what torchrun sets for N > 1).
+#   bash tools/gpu_distributed.sh threads  # the 2-rank eager step's threads: `top -H` while it
+#     runs (which threads spin beside the main ones), then the step with each rank's main
+#     thread pinned to a core of its own (tools/ddp_host_profile.py --pin) against not pinned.
 #   bash tools/gpu_distributed.sh qwen-full  # FSDP2 full Qwen2.5-0.5B, hf and fusetune, profiled,
 #     as is and with --keep-gathered (reshard_after_forward=False).
 set -uo pipefail
@@ -89,6 +92,20 @@ case "${1:-tests}" in
     tail -3 "$OUT/pair0.log"
     OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/omp1" 2>&1 \
       | tee "$OUT/omp1.log"
+    ;;
+  threads)
+    export PYTHONPATH=src:tests
+    profile=(tools/ddp_host_profile.py --no-cprofile)
+    timeout 150 torchrun --nproc_per_node 2 "${profile[@]}" --steps 300 > "$OUT/threads-run.log" 2>&1 &
+    sleep 60
+    top -H -b -n 1 -w 200 | head -45 | tee "$OUT/top-threads.txt"
+    wait
+    tail -2 "$OUT/threads-run.log"
+    for pin in "" --pin; do
+      echo "== 2 ranks ${pin:-not pinned}"
+      timeout 120 torchrun --nproc_per_node 2 "${profile[@]}" --steps 20 $pin 2>&1 \
+        | grep -v -i "warn\|\*\*\*" | tee "$OUT/step${pin}.log" | tail -3
+    done
     ;;
   qwen-full)  # issue 16's 76 % scaling: FSDP2 full Qwen2.5-0.5B as is and kept gathered
     nvidia-smi -L | tee "$OUT/gpus.txt"
