@@ -20,8 +20,10 @@
 #     fusetune-graph (graph_train_step, the gradients averaged in the graph), then FSDP2 with
 #     shard_lora, Llama-3.2-1B (~7 minutes).
 #   bash tools/gpu_distributed.sh contention  # is the eager LoRA step's 2-rank slowdown the host's?
-#     bench e2e (one process, fusetune eager) alone on GPU 0, then two at once (GPU 0 and 1, no
-#     process group), then alone with OMP_NUM_THREADS=1 (what torchrun sets for N > 1).
+#     tools/ddp_host_profile.py's DDP step (fusetune eager, 200 steps): world 1 alone on GPU 0,
+#     two world-1 runs at once (GPU 0 and 1), one world-2 run, world 1 with OMP_NUM_THREADS=1
+#     (what torchrun sets for N > 1). (This session's first version used bench e2e runs, whose
+#     timed steps may not have overlapped.)
 #   bash tools/gpu_distributed.sh threads  # the 2-rank eager step's threads: `top -H` while it
 #     runs (which threads spin beside the main ones), then the step with each rank's main
 #     thread pinned to a core of its own (tools/ddp_host_profile.py --pin) against not pinned.
@@ -83,15 +85,18 @@ case "${1:-tests}" in
     ;;
   contention)
     nvidia-smi -L | tee "$OUT/gpus.txt"
-    one=(python3 -m fusetune bench e2e --shapes llama-3.2-1b --variants hf+peft+fusetune
-         --steps 20 --max-batch off --timeout 120)
-    CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/alone" 2>&1 | tee "$OUT/alone.log"
-    CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/pair0" > "$OUT/pair0.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout 150 "${one[@]}" --out "$OUT/pair1" 2>&1 | tee "$OUT/pair1.log"
-    wait
-    tail -3 "$OUT/pair0.log"
-    OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=0 timeout 150 "${one[@]}" --out "$OUT/omp1" 2>&1 \
-      | tee "$OUT/omp1.log"
+    export PYTHONPATH=src:tests
+    profile=(tools/ddp_host_profile.py --no-cprofile --steps 200)
+    one() {  # one GPU PORT NAME: a world-1 DDP run on GPU
+      CUDA_VISIBLE_DEVICES=$1 timeout 150 torchrun --nproc_per_node 1 --master_port "$2" \
+        "${profile[@]}" > "$OUT/$3.log" 2>&1
+    }
+    one 0 29510 alone; tail -1 "$OUT/alone.log"
+    one 0 29511 pair0 & one 1 29512 pair1; wait  # (builds take as long: the steps overlap)
+    tail -1 "$OUT/pair0.log" "$OUT/pair1.log"
+    timeout 150 torchrun --nproc_per_node 2 "${profile[@]}" > "$OUT/world2.log" 2>&1
+    tail -1 "$OUT/world2.log"
+    OMP_NUM_THREADS=1 one 0 29513 alone-omp1; tail -1 "$OUT/alone-omp1.log"
     ;;
   threads)
     export PYTHONPATH=src:tests
