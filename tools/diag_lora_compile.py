@@ -29,7 +29,13 @@ for backend in sys.argv[1:]:
     try:
         y = torch.compile(f, backend=backend, fullgraph=True, dynamic=True)(x, w, a, b)
         y.backward(g)
-        print(backend, [(n, None if t.grad is None else float((t.grad - ref).abs().max()))
-                        for n, t, ref in zip("xab", (x, a, b), want, strict=True)], flush=True)
+        print(
+            backend,
+            [
+                (n, None if t.grad is None else float((t.grad - ref).abs().max()))
+                for n, t, ref in zip("xab", (x, a, b), want, strict=True)
+            ],
+            flush=True,
+        )
     except Exception:
         traceback.print_exc(limit=3)

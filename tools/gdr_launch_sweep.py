@@ -32,8 +32,11 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now; and dS's
     # alone in fp32 (dstates_kernel's bf16 store spilled more offline: 192 -> 520 B)
     "fp32 state copies": {"state_dtype": lambda dtype, dot, gradient=False: torch.float32},
-    "fp32 dS copies": {"state_dtype": lambda dtype, dot, gradient=False: (
-        torch.float32 if gradient else STATE_DTYPE(dtype, dot))},
+    "fp32 dS copies": {
+        "state_dtype": lambda dtype, dot, gradient=False: (
+            torch.float32 if gradient else STATE_DTYPE(dtype, dot)
+        )
+    },
 }
 
 

@@ -56,8 +56,11 @@ def report(vocab: int) -> None:
     step = make_step(logits, labels)
     weight = torch.ones((), device="cuda")
     step_ms = median_ms(step)
-    kernel_ms = median_ms(lambda: torch.ops.fusetune.cross_entropy_forward(
-        logits, labels, weight, -100, 0.0, 0.0, None, None, True))
+    kernel_ms = median_ms(
+        lambda: torch.ops.fusetune.cross_entropy_forward(
+            logits, labels, weight, -100, 0.0, 0.0, None, None, True
+        )
+    )
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(50):
@@ -73,8 +76,10 @@ def report(vocab: int) -> None:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    print(f"V={vocab}: step {step_ms:.3f} ms | forward kernels only {kernel_ms:.3f} ms | "
-          f"host per step {host_ms:.3f} ms | cuda graph replay {graph_ms:.3f} ms")
+    print(
+        f"V={vocab}: step {step_ms:.3f} ms | forward kernels only {kernel_ms:.3f} ms | "
+        f"host per step {host_ms:.3f} ms | cuda graph replay {graph_ms:.3f} ms"
+    )
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
 
 

@@ -18,8 +18,15 @@ from fusetune.ops import lora as L
 N, H, INTER, R = 8192, 4096, 14336, 16
 FORWARD = [(32, 128, 4), (32, 64, 4), (16, 128, 4), (32, 256, 4), (32, 128, 8), (64, 64, 4)]
 BACKWARD = [
-    (32, 64, 4, 4), (32, 64, 4, 2), (32, 64, 4, 8), (16, 64, 4, 4), (32, 32, 4, 4),
-    (16, 128, 4, 4), (32, 128, 8, 4), (32, 64, 8, 4), (16, 64, 2, 4),
+    (32, 64, 4, 4),
+    (32, 64, 4, 2),
+    (32, 64, 4, 8),
+    (16, 64, 4, 4),
+    (32, 32, 4, 4),
+    (16, 128, 4, 4),
+    (32, 128, 8, 4),
+    (32, 64, 8, 4),
+    (16, 64, 2, 4),
 ]
 
 
@@ -66,17 +73,39 @@ def main() -> None:
     out_g, out_u = torch.empty_like(gate), torch.empty_like(up)
     for bm, bn, warps in FORWARD:
         L.FORWARD_BM, L.FORWARD_BN, L.FORWARD_WARPS = bm, bn, warps
-        ms = attempt(lambda: L._glu_forward(gate, up, xa[:, :R], xa[:, R:], bg, bu, 2.0, 2.0,
-                                            "swiglu"))
-        print(f"forward kernel BM={bm} BN={bn} warps={warps}: {ms:.3f} ms "
-              f"({3 * N * INTER * 2 / ms / 1e6:.0f} GB/s)")
+        ms = attempt(
+            lambda: L._glu_forward(gate, up, xa[:, :R], xa[:, R:], bg, bu, 2.0, 2.0, "swiglu")
+        )
+        print(
+            f"forward kernel BM={bm} BN={bn} warps={warps}: {ms:.3f} ms "
+            f"({3 * N * INTER * 2 / ms / 1e6:.0f} GB/s)"
+        )
     for bm, bn, warps, per_sm in BACKWARD:
         L.BACKWARD_BM, L.BACKWARD_BN, L.BACKWARD_WARPS = bm, bn, warps
         L.BACKWARD_PROGRAMS_PER_SM = per_sm
-        ms = attempt(lambda: L._glu_backward(dh, gd, ad, 2.0, gate, up, xa[:, :R], xa[:, R:],
-                                             bg, bu, 2.0, 2.0, "swiglu", out_g, out_u))
-        print(f"backward kernel BM={bm} BN={bn} warps={warps} per_sm={per_sm}: {ms:.3f} ms "
-              f"({5 * N * INTER * 2 / ms / 1e6:.0f} GB/s)")
+        ms = attempt(
+            lambda: L._glu_backward(
+                dh,
+                gd,
+                ad,
+                2.0,
+                gate,
+                up,
+                xa[:, :R],
+                xa[:, R:],
+                bg,
+                bu,
+                2.0,
+                2.0,
+                "swiglu",
+                out_g,
+                out_u,
+            )
+        )
+        print(
+            f"backward kernel BM={bm} BN={bn} warps={warps} per_sm={per_sm}: {ms:.3f} ms "
+            f"({5 * N * INTER * 2 / ms / 1e6:.0f} GB/s)"
+        )
     L.FORWARD_BM, L.FORWARD_BN, L.FORWARD_WARPS = 32, 128, 4
     L.BACKWARD_BM, L.BACKWARD_BN, L.BACKWARD_WARPS, L.BACKWARD_PROGRAMS_PER_SM = 32, 64, 4, 4
 
