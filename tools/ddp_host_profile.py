@@ -57,35 +57,37 @@ def main() -> None:
     print(f"rank {dist.get_rank()}: {cores} cores in the affinity mask, "
           f"{torch.get_num_threads()} intra-op threads", flush=True)  # fmt: skip
     if args.no_cprofile:
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            step(ids)
-            synchronize(device)
-            times.append((time.perf_counter() - start) * 1e3)
-        if dist.get_rank() == 0:
-            times.sort()
-            print(
-                f"world {dist.get_world_size()}: min / median / max "
-                f"{times[0]:.1f} / {statistics.median(times):.1f} / {times[-1]:.1f} ms"
-            )
-        dist.destroy_process_group()
-        return
+        report_times(step, ids, args.steps)
+    else:
+        report_profile(step, ids, args.steps, args.callers)
+    dist.destroy_process_group()
+
+
+def report_times(step, ids: torch.Tensor, steps: int) -> None:
+    """min / median / max of ``steps`` plain steps (the bench's timing), on rank 0."""
+    times, _ = worker.time_steps(step, ids, 0, steps)
+    if dist.get_rank() == 0:
+        print(f"world {dist.get_world_size()}: min / median / max {min(times):.1f} / "
+              f"{statistics.median(times):.1f} / {max(times):.1f} ms")  # fmt: skip
+
+
+def report_profile(step, ids: torch.Tensor, steps: int, callers: str) -> None:
+    """cProfile of ``steps`` steps: rank 0 prints the top functions by own time (and the
+    callers of ``callers``)."""
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
-    for _ in range(args.steps):
+    for _ in range(steps):
         step(ids)
     profiler.disable()
-    synchronize(device)
-    wall = (time.perf_counter() - start) * 1e3 / args.steps
+    synchronize(ids.device)
+    wall = (time.perf_counter() - start) * 1e3 / steps
     if dist.get_rank() == 0:
         print(f"world {dist.get_world_size()}: {wall:.1f} ms a step (profiled)")
         stats = pstats.Stats(profiler).sort_stats("tottime")
         stats.print_stats(25)
-        if args.callers:
-            stats.print_callers(args.callers)
-    dist.destroy_process_group()
+        if callers:
+            stats.print_callers(callers)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@
 #   bash tools/gpu_distributed.sh contention  # is the eager LoRA step's 2-rank slowdown the host's?
 #     tools/ddp_host_profile.py's DDP step (fusetune eager, 200 steps): world 1 alone on GPU 0,
 #     two world-1 runs at once (GPU 0 and 1), one world-2 run, world 1 with OMP_NUM_THREADS=1
-#     (what torchrun sets for N > 1). (This session's first version used bench e2e runs, whose
+#     (what torchrun sets for N > 1). (The first version, 2026-11-27 fourteenth, used bench e2e runs, whose
 #     timed steps may not have overlapped.)
 #   bash tools/gpu_distributed.sh threads  # the 2-rank eager step's threads: `top -H` while it
 #     runs (which threads spin beside the main ones), then the step with each rank's main
