@@ -93,7 +93,7 @@ case "${1:-tests}" in
     }
     one 0 29510 alone; tail -1 "$OUT/alone.log"
     one 0 29511 pair0 & one 1 29512 pair1; wait  # (builds take as long: the steps overlap)
-    tail -1 "$OUT/pair0.log" "$OUT/pair1.log"
+    tail -n 1 "$OUT/pair0.log" "$OUT/pair1.log"
     timeout 150 torchrun --nproc_per_node 2 "${profile[@]}" > "$OUT/world2.log" 2>&1
     tail -1 "$OUT/world2.log"
     OMP_NUM_THREADS=1 one 0 29513 alone-omp1; tail -1 "$OUT/alone-omp1.log"
@@ -101,15 +101,37 @@ case "${1:-tests}" in
   threads)
     export PYTHONPATH=src:tests
     profile=(tools/ddp_host_profile.py --no-cprofile)
+    lscpu | tee "$OUT/lscpu.txt" | grep -i "thread\|core\|socket\|model name\|mhz"
+    cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | sort -u | tr '\n' ' ' \
+      | tee "$OUT/siblings.txt"; echo
     timeout 150 torchrun --nproc_per_node 2 "${profile[@]}" --steps 300 > "$OUT/threads-run.log" 2>&1 &
     sleep 60
-    top -H -b -n 1 -w 200 | head -45 | tee "$OUT/top-threads.txt"
+    top -H -b -n 1 -w 200 | head -45 > "$OUT/top-threads.txt"
+    for i in 1 2 3; do  # which CPU (psr) each busy thread is on, three samples
+      ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -12 | tee -a "$OUT/ps-threads.txt"
+      grep MHz /proc/cpuinfo | sort | uniq -c | sort -rn | head -3 | tee -a "$OUT/ps-threads.txt"
+      sleep 3
+    done
     wait
     tail -2 "$OUT/threads-run.log"
     for pin in "" --pin; do
       echo "== 2 ranks ${pin:-not pinned}"
       timeout 120 torchrun --nproc_per_node 2 "${profile[@]}" --steps 20 $pin 2>&1 \
         | grep -v -i "warn\|\*\*\*" | tee "$OUT/step${pin}.log" | tail -3
+    done
+    ;;
+  pin)  # the eager step at world 1 and 2, each rank's main thread pinned to a core or not,
+    # alternated twice (host noise is ~10 % between runs)
+    export PYTHONPATH=src:tests
+    for round in 1 2; do
+      for n in 1 2; do
+        for pin in "" --pin; do
+          printf "round %s world %s %-8s" "$round" "$n" "${pin:-unpinned}" | tee -a "$OUT/pin.txt"
+          timeout 100 torchrun --nproc_per_node "$n" tools/ddp_host_profile.py --no-cprofile \
+            --steps 100 $pin > "$OUT/pin-$round-$n$pin.log" 2>&1
+          tail -n 1 "$OUT/pin-$round-$n$pin.log" | tee -a "$OUT/pin.txt"
+        done
+      done
     done
     ;;
   qwen-full)  # issue 16's 76 % scaling: FSDP2 full Qwen2.5-0.5B as is and kept gathered
