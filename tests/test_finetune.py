@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusetune.finetune import FinetuneError, main
+from fusetune.finetune import FinetuneError, distributed, main
 from fusetune.finetune import data as ftdata
+from fusetune.finetune import train as train_module
 from fusetune.finetune.output import MARKER, check_output, staged_output
 from fusetune.finetune.precision import bf16_supported, choose_precision
 from fusetune.finetune.summary import format_comparison, loss_rows
@@ -109,6 +111,48 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, capsys):
         assert code == 0, capsys.readouterr().err
         losses.append(json.loads((output / MARKER).read_text())["runs"][0]["losses"])
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning is Linux's")
+def test_pin_cpu_pins_after_the_first_step_and_restores_the_mask(tmp_path, capsys, monkeypatch):
+    """--pin-cpu: one pin, after the first step (its compiles and threads keep the whole mask),
+    and the process's mask back as it was after the run."""
+    steps, pins = [], []  # pins: how many steps had run at each pin
+
+    def step(*args):
+        steps.append(1)
+        return real_step(*args)
+
+    def pin(ranks):
+        pins.append(len(steps))
+        return real_pin(ranks)
+
+    real_step, real_pin = train_module._step, train_module.pin_main_thread
+    monkeypatch.setattr(train_module, "_step", step)
+    monkeypatch.setattr(train_module, "pin_main_thread", pin)
+    before = os.sched_getaffinity(0)
+    code, _, err = run(capsys, "--output", str(tmp_path / "out"), "--pin-cpu")
+    assert code == 0, err
+    assert pins == [1] and len(steps) == 2
+    assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning is Linux's")
+def test_pin_main_thread_spreads_the_ranks_of_a_host(monkeypatch):
+    """Each local rank gets a core of its own from the middle of its share of the mask (never
+    the first core); too few cores for the ranks: a warning, no pin."""
+    pinned = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(set(cores)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8, 16)))
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert distributed.pin_main_thread(distributed.Ranks(rank, 4)) == set(range(8, 16))
+    assert pinned == [{9}, {11}, {13}, {15}]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    with pytest.warns(UserWarning, match="8 cores .* for 5 ranks"):
+        assert distributed.pin_main_thread(distributed.Ranks(0, 5)) is None
+    assert len(pinned) == 4
 
 
 def test_full_finetune_with_checkpointing_saves_the_model(tmp_path, capsys):

@@ -26,17 +26,19 @@ SHAPES = {**cases_e2e.SHAPES, "llama-8b": LLAMA_8B}
 VARIANTS = ("hf+peft", "hf+peft+liger", "hf+peft+fusetune", "hf+peft+fusetune+offload", "unsloth")
 
 
-def fits(model, seq_len: int, device: torch.device) -> float | None:
-    """Seconds for one step at ``seq_len``, or None when it runs out of memory."""
+def fits(model, seq_len: int, device: torch.device) -> tuple[float, float] | None:
+    """(seconds, peak GiB) of one step at ``seq_len``, or None when it runs out of memory. The
+    peak says how far the next length is from the GPU's memory when the time bound stops first."""
     ids = None
     try:
         ids = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
         step = cases_e2e.make_step(model, ids)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, torch.cuda.max_memory_allocated(device) / 2**30
     except torch.OutOfMemoryError:
         return None
     finally:
@@ -66,7 +68,7 @@ def worker(
     cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
     model = build(SHAPES[shape_key], variant, device, limit)
     fits(model, 2048, device)  # warm-up: compilation and autotuning are not a step's time
-    good, bad, seconds = 0, None, None
+    good, bad, seconds, peak = 0, None, None, None
     length = start
     # double until out of memory, or until the next step would take longer than max_step_s
     # (attention's time grows as the square of the length: 4x a doubling)
@@ -75,8 +77,9 @@ def worker(
         if took is None:
             bad = length
         else:
-            good, seconds, length = length, took, length * 2
-            print(f"FIT {good} {took:.2f}", flush=True)  # (what a timed-out run still reports)
+            good, (seconds, peak), length = length, took, length * 2
+            # (what a timed-out run still reports)
+            print(f"FIT {good} {seconds:.2f} s {peak:.2f} GiB", flush=True)
     high = bad or good + step  # (no failure: the limit or the time bound stopped the doubling)
     while high - good > step:  # bisect between the last fit and the first failure
         middle = (good + high) // 2 // step * step
@@ -84,10 +87,11 @@ def worker(
         if took is None:
             high = middle
         else:
-            good, seconds = middle, took
-            print(f"FIT {good} {took:.2f}", flush=True)
+            good, (seconds, peak) = middle, took
+            print(f"FIT {good} {seconds:.2f} s {peak:.2f} GiB", flush=True)
     return dict(shape=SHAPES[shape_key].name, variant=variant, max_seq_len=good,
-                step_s=seconds, bound="memory" if bad else "time or limit")  # fmt: skip
+                step_s=seconds, peak_gib=peak,
+                bound="memory" if bad else "time or limit")  # fmt: skip
 
 
 def main() -> int:

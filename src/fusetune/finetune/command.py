@@ -313,7 +313,7 @@ def train_once(
     settings = TrainSettings(
         args.lr, args.max_grad_norm, plan.precision, args.device, args.ranks,
         args.lr_schedule, args.warmup_steps, args.skip_nonfinite, bool(args.compile),
-        args.cuda_graph, replicated,
+        args.cuda_graph, replicated, args.pin_cpu,
     )  # fmt: skip
     progress = ProgressBar(args.steps, label) if args.ranks.main else None
     return train(model, plan.steps, settings, label, progress, checkpoints), model

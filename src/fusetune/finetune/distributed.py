@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,34 @@ def setup(device: torch.device) -> tuple[Ranks, torch.device]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         torch.cuda.set_device(device)
     return Ranks(dist.get_rank(), dist.get_world_size()), device
+
+
+def pin_main_thread(ranks: Ranks) -> set[int] | None:
+    """Pin the calling (main) thread to one core, the ranks on this host spread over the
+    process's CPU mask (core ``share // 2`` of each rank's share: never the mask's first core,
+    which on many hosts also takes interrupts). Returns the mask to restore, or None (and one
+    warning) where it cannot pin: not Linux, or fewer than two cores a rank on this host.
+
+    Why: an eager step issues ~270k host calls; unpinned, the scheduler moves the main thread
+    and the host time per step varies by ~10 % (2x H200, the eager LoRA step at 2 ranks:
+    126-130 ms unpinned, 114-119 pinned). Threads and processes started later inherit the one
+    core, so call it after the first step (compilation, NCCL's communicator started)."""
+    if not hasattr(os, "sched_setaffinity"):
+        warnings.warn("--pin-cpu: only Linux can pin threads; not pinned", stacklevel=2)
+        return None
+    mask = os.sched_getaffinity(0)
+    local_rank = int(os.environ.get("LOCAL_RANK", ranks.rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+    if len(mask) < 2 * local_world:
+        warnings.warn(
+            f"--pin-cpu: {len(mask)} cores in this process's mask for {local_world} ranks on "
+            "this host (two a rank needed); not pinned",
+            stacklevel=2,
+        )
+        return None
+    share = len(mask) // local_world
+    os.sched_setaffinity(0, {sorted(mask)[local_rank * share + share // 2]})
+    return mask
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch
 from fusetune.finetune import schedule
 from fusetune.finetune.checkpoint import Checkpointing
 from fusetune.finetune.data import Batch
-from fusetune.finetune.distributed import Ranks, all_sum
+from fusetune.finetune.distributed import Ranks, all_sum, pin_main_thread
 from fusetune.finetune.errors import FinetuneError, Interrupted, RunStopped
 from fusetune.finetune.interrupt import StopRequests
 from fusetune.finetune.precision import Precision
@@ -83,6 +84,7 @@ class TrainSettings:
     compiled: bool = False  # torch.compile'd: steps that compile are left out of tokens/s
     cuda_graph: bool = False  # steps replayed from CUDA graphs (_StepGraphs)
     replicated: bool = False  # every rank holds the whole model: gradients averaged here
+    pin_cpu: bool = False  # the main thread pinned to a core after the first step
 
 
 @dataclass
@@ -129,6 +131,7 @@ def train(
     if graphed:  # the eager steps and the capture
         skip = first + GRAPH_WARMUP_STEPS + 1
     step_graphs: _StepGraphs | None = None
+    unpinned = None  # (the CPU mask to restore when pinned)
     start = time.perf_counter()
     try:
         with StopRequests() as requests:
@@ -154,6 +157,8 @@ def train(
                     memory = format_memory(result.peak_memory, result.memory_kind)
                     progress.update(index + 1, loss, rate, memory, time.perf_counter() - start)
                 done = index + 1
+                if settings.pin_cpu and index == first:
+                    unpinned = pin_main_thread(settings.ranks)
                 stop = stop or (settings.ranks.world == 1 and requests.signum > 0)
                 if checkpoints is not None and (stop or checkpoints.due(done)):
                     checkpoints.save(done, model, optimizer, scaler, result)
@@ -162,6 +167,8 @@ def train(
     finally:
         if progress is not None:
             progress.close()
+        if unpinned is not None:  # (--compare's second run compiles with the whole mask)
+            os.sched_setaffinity(0, unpinned)
     result.seconds = time.perf_counter() - start
     return result
 
