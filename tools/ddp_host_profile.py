@@ -20,6 +20,7 @@ import torch.distributed as dist
 from fusetune.bench import distributed_worker as worker
 from fusetune.bench.cases_e2e import SEQ_LEN, TINY_BATCH, TINY_SEQ_LEN
 from fusetune.bench.harness import synchronize
+from fusetune.finetune.distributed import Ranks, pin_main_thread
 
 
 def main() -> None:
@@ -32,15 +33,12 @@ def main() -> None:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="after the process group starts, pin this rank's main thread to "
-        "core 2 + 4 x rank (NCCL's threads keep the whole mask)",
+        help="after the warm-up steps, pin this rank's main thread to a core of its own "
+        "(finetune --pin-cpu's fusetune.finetune.distributed.pin_main_thread)",
     )
     parser.add_argument("--no-cprofile", action="store_true", help="median of plain steps")
     args = parser.parse_args()
     device = worker.setup()
-    if args.pin:  # (on Linux pid 0 is the calling thread: the main thread only)
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[(2 + 4 * dist.get_rank()) % len(cores)]})
     job = dict(engine=args.engine, mode="lora", shape="llama-3.2-1b", variant=args.variant,
                tiny=args.tiny)  # fmt: skip
     model = worker.build(job, device)
@@ -53,6 +51,8 @@ def main() -> None:
     for _ in range(4):
         step(ids)
     synchronize(device)
+    if args.pin:
+        pin_main_thread(Ranks(dist.get_rank(), dist.get_world_size()))
     cores = len(os.sched_getaffinity(0))
     print(f"rank {dist.get_rank()}: {cores} cores in the affinity mask, "
           f"{torch.get_num_threads()} intra-op threads", flush=True)  # fmt: skip
