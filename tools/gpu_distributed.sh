@@ -24,9 +24,10 @@
 #     two world-1 runs at once (GPU 0 and 1), one world-2 run, world 1 with OMP_NUM_THREADS=1
 #     (what torchrun sets for N > 1). (The first version, 2026-11-27 fourteenth, used bench e2e runs, whose
 #     timed steps may not have overlapped.)
-#   bash tools/gpu_distributed.sh threads  # the 2-rank eager step's threads: `top -H` while it
-#     runs (which threads spin beside the main ones), then the step with each rank's main
-#     thread pinned to a core of its own (tools/ddp_host_profile.py --pin) against not pinned.
+#   bash tools/gpu_distributed.sh threads  # the 2-rank eager step's threads: the CPU topology,
+#     `top -H` and `ps` (which CPU each busy thread is on) while it runs.
+#   bash tools/gpu_distributed.sh pin  # the eager step at world 1 and 2, each rank's main thread
+#     pinned to a core of its own (tools/ddp_host_profile.py --pin) or not, alternated twice.
 #   bash tools/gpu_distributed.sh qwen-full  # FSDP2 full Qwen2.5-0.5B, hf and fusetune, profiled,
 #     as is and with --keep-gathered (reshard_after_forward=False).
 set -uo pipefail
@@ -114,11 +115,6 @@ case "${1:-tests}" in
     done
     wait
     tail -2 "$OUT/threads-run.log"
-    for pin in "" --pin; do
-      echo "== 2 ranks ${pin:-not pinned}"
-      timeout 120 torchrun --nproc_per_node 2 "${profile[@]}" --steps 20 $pin 2>&1 \
-        | grep -v -i "warn\|\*\*\*" | tee "$OUT/step${pin}.log" | tail -3
-    done
     ;;
   pin)  # the eager step at world 1 and 2, each rank's main thread pinned to a core or not,
     # alternated twice (host noise is ~10 % between runs)

@@ -31,11 +31,11 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (not .peers: 64 MiB; ~8
-#     minutes): issue 18's "longer than Unsloth" at the 8B shape. Both reached 128k (fusetune
-#     offloaded 49.4 s a step, Unsloth 53.8 s, 2026-11-27 fourteenth): fusetune offloaded, then
-#     Unsloth, each from 196608 tokens up to 262144 under a 300 s step bound (LENGTH=... to
-#     start elsewhere).
+#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (not .peers: 64 MiB; up to
+#     ~16 minutes: a call per variant with VARIANTS=...): issue 18's "longer than Unsloth" at the
+#     8B shape. Both fit 196608 tokens (fusetune offloaded 118.9 s a step, Unsloth 123.1 s,
+#     2026-11-27 fifteenth; Unsloth's load + step there took ~220 s): each from 229376 tokens
+#     (LENGTH=...) up to 262144, under a 400 s step bound.
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
 #     (the bf16 per-chunk S0 / dS copies of 2026-11-27 eleventh have not run on a GPU), then the
 #     launch sweep at both bench shapes (its "fp32 state copies" row is the code before them).
@@ -71,9 +71,9 @@ if [ "${1:-}" = long-8b ]; then
   # shellcheck source=tools/unsloth_env.sh
   source tools/unsloth_env.sh
   export PYTHONPATH=src:tools:tests:/tmp/site
-  for variant in hf+peft+fusetune+offload unsloth; do
-    timeout 250 python3 tools/long_context.py --shapes llama-8b --variants "$variant" \
-      --start "${LENGTH:-196608}" --step 32768 --limit 262144 --max-step-s 300 --timeout 240 \
+  for variant in ${VARIANTS:-hf+peft+fusetune+offload unsloth}; do
+    timeout 500 python3 tools/long_context.py --shapes llama-8b --variants "$variant" \
+      --start "${LENGTH:-229376}" --step 32768 --limit 262144 --max-step-s 400 --timeout 480 \
       2>&1 | tee -a "$OUT/long_context-8b.log" | grep "FIT\|{"
   done
   echo "done in $SECONDS s"

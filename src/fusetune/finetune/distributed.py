@@ -63,9 +63,10 @@ def pin_main_thread(ranks: Ranks) -> set[int] | None:
     which on many hosts also takes interrupts). Returns the mask to restore, or None (and one
     warning) where it cannot pin: not Linux, or fewer than two cores a rank on this host.
 
-    Why: an eager step issues ~270k host calls; unpinned, the scheduler moves the main thread
-    and the host time per step varies by ~10 % (2x H200, the eager LoRA step at 2 ranks:
-    126-130 ms unpinned, 114-119 pinned). Threads and processes started later inherit the one
+    Why: an eager step issues ~270k host calls, and two busy ranks on one host slow each
+    other's (two 1-GPU runs without a process group too); a main thread pinned to a core of its
+    own gets most of it back (2x H200, the eager LoRA step at 2 ranks: 126-130 ms unpinned,
+    114-119 pinned). Threads and processes started later inherit the one
     core, so call it after the first step (compilation, NCCL's communicator started)."""
     if not hasattr(os, "sched_setaffinity"):
         warnings.warn("--pin-cpu: only Linux can pin threads; not pinned", stacklevel=2)
