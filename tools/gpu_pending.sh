@@ -37,8 +37,9 @@
 #     Unsloth, each from 196608 tokens up to 262144 under a 300 s step bound (LENGTH=... to
 #     start elsewhere).
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
-#     (the bf16 per-chunk S0 / dS copies of 2026-11-27 eleventh have not run on a GPU), then the
-#     launch sweep at both bench shapes (its "fp32 state copies" row is the code before them).
+#     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
+#     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
+#     (FUSETUNE_GDR_W=fp32) is the code before them, "bf16 W products only" (=w) the middle way.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
