@@ -62,14 +62,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", help="comma-separated row names (default: every row)")
     args = parser.parse_args()
+    rows = args.only.split(",") if args.only else list(VARIANTS)
     torch.manual_seed(0)
     shape = (args.batch, args.seq_len, HEADS, DIM)
     leaves = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
     grad_out = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     originals = {name: getattr(gdr_chunk, name) for name in vars(gdr_chunk) if "kernel" in name}
     print(f"B{args.batch} T{args.seq_len} H{HEADS} D{DIM} bf16 l2norm, median of {args.repeats}")
-    for label, overrides in VARIANTS.items():
+    for label in rows:
+        overrides = VARIANTS[label]
         for name, kernel in originals.items():
             setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
         gdr_chunk.state_dtype = overrides.get("state_dtype", STATE_DTYPE)
