@@ -460,25 +460,6 @@ def test_sequential_products_levels(monkeypatch, level):
     run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
-@pytest.mark.parametrize("fix", ["a", "b", "c"])
-def test_bf16_fix_candidates(monkeypatch, fix):
-    """FUSETUNE_GDR_BF16_FIX's candidate work-arounds for the H100 faults of the bf16 products
-    (gdr_chunk.BF16_FIXES: wider value blocks, a zero-padded narrow operand, transposed
-    products) compute the same thing: at level 2 (the default) and level 1, within bf16's
-    tolerance; an unknown name is refused."""
-    monkeypatch.setenv("FUSETUNE_GDR_BF16_FIX", fix)
-    monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
-    inputs = make_inputs(batch=1, seq_len=40, key_heads=2, value_heads=4, key_dim=32,
-                         value_dim=40, unit_keys=False)  # fmt: skip
-    for level in ("auto", "w"):
-        monkeypatch.setenv("FUSETUNE_GDR_W", level)
-        run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
-    assert gdr_chunk.bf16_fix(0) == 0
-    monkeypatch.setenv("FUSETUNE_GDR_BF16_FIX", "d")
-    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_BF16_FIX must be one of .*got 'd'"):
-        gdr_chunk.bf16_fix(2)
-
-
 SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, options)
     "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),

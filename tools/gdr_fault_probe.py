@@ -1,8 +1,9 @@
-"""Gated DeltaNet's bf16 W faults on the H100 (branch gdr-bf16w): every (FUSETUNE_GDR_W level,
-FUSETUNE_GDR_BF16_FIX candidate) at three shapes, each case in its own process under
-CUDA_LAUNCH_BLOCKING=1 (a fault poisons its process's context; the traceback names the launch),
-repeated within the process, every repeat's outputs and gradients checked against the level-0
-result (fp32 W, tf32: never faulted). One line per case.
+"""Gated DeltaNet's bf16 products on the GPU, a fault probe: each FUSETUNE_GDR_W level at three
+shapes, each case in its own process under CUDA_LAUNCH_BLOCKING=1 (a fault poisons its process's
+context; the traceback names the launch), repeated within the process, every repeat's outputs
+and gradients checked against the level-0 result (fp32 W, tf32). One line per case. (It found
+the H100 faults of the bf16 products, 2026-11-27, and chose their work-around: gdr_chunk's note
+above ``mm_state``.)
 
     PYTHONPATH=src:tests:tools python tools/gdr_fault_probe.py matrix [--repeats 5]
 
@@ -12,13 +13,12 @@ value heads, K = V = 128, decay rates to 16, an initial state, the final state o
 bf16 output was garbage). The shapes run side by side (one chain of processes each, so three
 processes share the GPU at a time, as the test suite's xdist workers did); within a shape the
 level-0 reference runs first and saves its results, then each case loads them. Cases: levels w
-and auto with fixes none, a, b, c (gdr_chunk.BF16_FIXES); then two diagnoses, not fixes, for
-levels w and auto: DISABLE_MMA_V3=1 (mma.sync everywhere: whether the fault needs wgmma) and
-states / dstates at 4 warps (every fault so far was in an 8-warp launch of them). Then, when a
-case faulted and ``compute-sanitizer`` exists, the first faulting case once more (one repeat)
-under memcheck, instrumenting only the states kernels.
+and auto; then two diagnoses for each: DISABLE_MMA_V3=1 (mma.sync everywhere: whether a fault
+needs wgmma) and states / dstates at 4 warps (every fault was in an 8-warp launch of them).
+Then, when a case faulted and ``compute-sanitizer`` exists, the first faulting case once more
+(one repeat) under memcheck, instrumenting only the states kernels.
 
-    PYTHONPATH=src:tests:tools python tools/gdr_fault_probe.py case SHAPE LEVEL FIX DIR [N]
+    PYTHONPATH=src:tests:tools python tools/gdr_fault_probe.py case SHAPE LEVEL DIR [N]
 
 runs one case (what ``matrix`` starts; SHAPE is b4t4096 | b1t32768 | b2t700; level fp32 saves
 the reference into DIR).
@@ -47,7 +47,6 @@ SHAPES = {
 }
 DEVICE = os.environ.get("GDR_PROBE_DEVICE", "cuda")
 LEVELS = ("w", "auto")
-FIXES = ("none", "a", "b", "c")
 TIMEOUT = 150  # seconds a case process may take (compiles included)
 BAD = 0.05  # relative error (norm) that no bf16 rounding reaches (the tests allow 1e-2)
 
@@ -143,14 +142,13 @@ def relative_error(out, ref) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def case(shape: str, level: str, fix: str, directory: str, repeats: int) -> None:
+def case(shape: str, level: str, directory: str, repeats: int) -> None:
     """One process: ``repeats`` fwd+bwd at ``shape``, each checked against the saved level-0
     result (level fp32 saves it); prints one line."""
     os.environ["FUSETUNE_GDR_W"] = level
-    os.environ["FUSETUNE_GDR_BF16_FIX"] = fix
     import torch
 
-    tag = f"{shape:9s} level {level:4s} fix {fix:4s}"
+    tag = f"{shape:9s} level {level:4s}"
     if os.environ.get("DISABLE_MMA_V3"):
         tag += " DISABLE_MMA_V3=1"
     warps = os.environ.get("GDR_PROBE_SEQ_WARPS")
@@ -193,41 +191,41 @@ def case(shape: str, level: str, fix: str, directory: str, repeats: int) -> None
 
 
 def chain(shape: str, directory: str, repeats: int, lines: list, faults: list) -> None:
-    """One shape's cases in order: the reference, then each (level, fix), each its own process."""
-    cases = [("fp32", "none", {})]
-    cases += [(level, fix, {}) for level in LEVELS for fix in FIXES]
-    cases += [(level, "none", {"DISABLE_MMA_V3": "1"}) for level in LEVELS]
-    cases += [(level, "none", {"GDR_PROBE_SEQ_WARPS": "4"}) for level in LEVELS]
-    for level, fix, extra in cases:
+    """One shape's cases in order: the reference, then each level (and diagnosis), each its own
+    process."""
+    cases = [("fp32", {})] + [(level, {}) for level in LEVELS]
+    cases += [(level, {"DISABLE_MMA_V3": "1"}) for level in LEVELS]
+    cases += [(level, {"GDR_PROBE_SEQ_WARPS": "4"}) for level in LEVELS]
+    for level, extra in cases:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", **extra)
-        command = [sys.executable, __file__, "case", shape, level, fix, directory, str(repeats)]
+        command = [sys.executable, __file__, "case", shape, level, directory, str(repeats)]
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-            text = done.stdout.strip() or f"{shape} level {level} fix {fix}: no output, rc " + (
+            text = done.stdout.strip() or f"{shape} level {level}: no output, rc " + (
                 f"{done.returncode}: {done.stderr.strip().splitlines()[-1:] or ''}"
             )
             code = done.returncode
         except subprocess.TimeoutExpired:
-            text, code = f"{shape} level {level} fix {fix}: timed out ({TIMEOUT} s)", -1
+            text, code = f"{shape} level {level}: timed out ({TIMEOUT} s)", -1
         print(text, flush=True)
         lines.append(text)
         if code != 0 or "BAD" in text:
-            faults.append((shape, level, fix, extra, text))
+            faults.append((shape, level, extra, text))
         if level == "fp32" and code != 0:
             print(f"{shape}: no reference, its cases skipped", flush=True)
             return
 
 
-def sanitize(shape: str, level: str, fix: str, extra: dict, directory: str) -> None:
+def sanitize(shape: str, level: str, extra: dict, directory: str) -> None:
     """The case once under compute-sanitizer's memcheck (states and dstates kernels only)."""
     tool = shutil.which("compute-sanitizer")
     if tool is None:
         print("compute-sanitizer: not on this machine", flush=True)
         return
     command = [tool, "--tool", "memcheck", "--kernel-name", "kns=states_kernel",
-               "--print-limit", "8", sys.executable, __file__, "case", shape, level, fix,
+               "--print-limit", "8", sys.executable, __file__, "case", shape, level,
                directory, "1"]  # fmt: skip
-    print(f"compute-sanitizer on {shape} level {level} fix {fix} {extra or ''}:", flush=True)
+    print(f"compute-sanitizer on {shape} level {level} {extra or ''}:", flush=True)
     try:
         done = subprocess.run(command, env=dict(os.environ, **extra), capture_output=True,
                               text=True, timeout=90)  # fmt: skip
@@ -252,9 +250,9 @@ def matrix(repeats: int, shapes: list[str]) -> None:
     print(f"--- {len(lines)} cases, {len(faults)} faulted or wrong, {time.time() - start:.0f} s")
     for line in sorted(lines):
         print(line)
-    faulted = [f for f in faults if "FAULT" in f[4]]
+    faulted = [f for f in faults if "FAULT" in f[3]]
     if faulted:
-        sanitize(*faulted[0][:4], directory)
+        sanitize(*faulted[0][:3], directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -267,14 +265,13 @@ def main() -> None:
     c = sub.add_parser("case")
     c.add_argument("shape", choices=list(SHAPES))
     c.add_argument("level", choices=("fp32",) + LEVELS)
-    c.add_argument("fix", choices=FIXES)
     c.add_argument("directory")
     c.add_argument("repeats", type=int, nargs="?", default=5)
     args = parser.parse_args()
     if args.command == "matrix":
         matrix(args.repeats, args.shapes)
     else:
-        case(args.shape, args.level, args.fix, args.directory, args.repeats)
+        case(args.shape, args.level, args.directory, args.repeats)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,6 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # with bf16 products only where W is an operand, and the fp32 W / tf32 path before it
     "bf16 W products only": {"env": {"FUSETUNE_GDR_W": "w"}},
     "fp32 W, tf32 (before)": {"env": {"FUSETUNE_GDR_W": "fp32"}},
-    # the candidate work-arounds of the bf16 products' H100 faults (gdr_chunk.BF16_FIXES), at
-    # both bf16 levels (2026-11-27 sixteenth: a, b, c clean at three shapes, fix none faulted)
-    **{
-        f"{level} fix {fix}": {"env": {"FUSETUNE_GDR_W": level, "FUSETUNE_GDR_BF16_FIX": fix}}
-        for level in ("auto", "w")
-        for fix in ("a", "b", "c")
-    },
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},

@@ -109,9 +109,6 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
     per_chunk = 4 if mode == "tf32" else 8  # the launcher's warps for wy and output
     sequential = seq_bf16(dtype, DOTS[mode])  # bf16 W and products (FUSETUNE_GDR_W)
-    fix = gdr_chunk.bf16_fix(sequential)  # FUSETUNE_GDR_BF16_FIX, as the launcher reads it
-    if fix == gdr_chunk.BF16_FIXES["a"]:
-        state_bv = max(state_bv, 64)
     jobs = [
         ("wy_kernel", gdr_chunk.wy_kernel, dict(base, BV=min(dim, 64), LOCAL_DD=False), per_chunk),
         (
@@ -123,14 +120,14 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
         (
             "states_kernel",
             gdr_chunk.states_kernel,
-            dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True, SEQ_BF16=sequential, BF16_FIX=fix),
+            dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True, SEQ_BF16=sequential),
             int(SEQ_WARPS or 4),
         ),
         ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), per_chunk),
         (
             "dstates_kernel",
             gdr_chunk.dstates_kernel,
-            dict(base, BV=state_bv, HAS_DHT=True, SEQ_BF16=sequential, BF16_FIX=fix),
+            dict(base, BV=state_bv, HAS_DHT=True, SEQ_BF16=sequential),
             int(SEQ_WARPS or 8),
         ),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),

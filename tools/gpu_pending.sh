@@ -40,12 +40,11 @@
 #     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
 #     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
 #     (FUSETUNE_GDR_W=fp32) is the code before them, "bf16 W products only" (=w) the middle way.
-#   bash tools/gpu_pending.sh gdr-probe 1 GPU, no carry (~3-5 minutes): FIRST JOB on gdr-bf16w
-#     (2026-11-27 fifteenth: level w faulted in dstates, level auto gave garbage / a fault,
-#     intermittently). tools/gdr_fault_probe.py matrix: levels w / auto x FUSETUNE_GDR_BF16_FIX
-#     none / a / b / c, plus DISABLE_MMA_V3=1 and 4-warp states / dstates as diagnoses, at
-#     B4 T4096, B1 T32768 and B2 T700 (strong decays), each its own process, 5 repeats, checked
-#     against level 0; compute-sanitizer on the first faulting case.
+#   bash tools/gpu_pending.sh gdr-probe 1 GPU, no carry (~3 minutes): tools/gdr_fault_probe.py
+#     matrix (levels w / auto, DISABLE_MMA_V3=1 and 4-warp states / dstates, at B4 T4096,
+#     B1 T32768 and B2 T700 with strong decays, 5 repeats each in its own process, against level
+#     0; compute-sanitizer on the first faulting case). 2026-11-27 sixteenth: found the faults'
+#     work-around (the transposed bf16 products); rerun after any change to states / dstates.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)

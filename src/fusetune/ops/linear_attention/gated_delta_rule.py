@@ -120,11 +120,6 @@ class _ChunkRun:
         self.bk = max(smallest, plan.BK)
         self.bva = max(smallest, _utils.next_power_of_2(plan.value_dim))
         self.bv = max(smallest, plan.BV)
-        # FUSETUNE_GDR_BF16_FIX (gdr_chunk.BF16_FIXES): candidate work-arounds for the H100
-        # faults of the bf16 products; a widens the sequential kernels' value blocks to 64
-        fix = gdr_chunk.bf16_fix(seq_bf16)
-        if fix == gdr_chunk.BF16_FIXES["a"]:
-            self.bv = max(self.bv, 64)
         self.wy_block = min(self.bva, 64)  # value columns a step of wy_kernel's U loop
         # Products by input dtype (gdr_chunk.dot_mode): about fp32's accuracy for fp32 and fp16
         # (tf32 alone on what feeds the states and dg cost GSA's chunk mode 1.5e-2 on dg in
@@ -147,7 +142,7 @@ class _ChunkRun:
         # 7.97 -> 8.36, dstates at 8 7.82: tools/gdr_launch_sweep.py).
         few = self.column_grid[0] * self.column_grid[1] < _utils.num_programs_in_flight(device)
         self.states_launch = self.wide if few else self.common
-        self.sequential = dict(SEQ_BF16=seq_bf16, BF16_FIX=fix)  # states_ and dstates_kernel
+        self.sequential = dict(SEQ_BF16=seq_bf16)  # states_ and dstates_kernel
 
     def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
                scale=1.0) -> None:

@@ -192,36 +192,16 @@ def w_dtype(level: int) -> torch.dtype:
     return torch.bfloat16 if level >= 1 else torch.float32
 
 
-# Candidate work-arounds for the H100 faults of the bf16 products (branch gdr-bf16w, 2026-11-27:
-# illegal address in dstates_kernel at level 1, garbage o at level 2, Triton 3.6, not seen on a
-# CPU). Offline (Triton 3.6, sm_90) every bf16 product there stages its narrow operand (the
-# state / dS / D / dD / e^G dO block: BV = 32 columns) in shared memory as a [K, 32] bf16 tile
-# with N contiguous: 64-byte rows, 64-byte swizzle, MN-major wgmma B (and at 8 warps, with a
-# 64-row output, two n16 halves of it). The fp32 path (level 0, never faulted) stages only
-# 128-byte rows, K-major; the tf32 faults of 2026-11-26 (min_block) were 16-wide fp32 tiles:
-# 64-byte rows too. FUSETUNE_GDR_BF16_FIX (read at every call, the kernels' BF16_FIX):
-#   none  (0) as built;
-#   a     (1) BV = 64 for the sequential kernels at levels 1-2 (128-byte bf16 rows, 128B swizzle;
-#             half the programs);
-#   b     (2) BV stays 32; the narrow operand is padded with 32 zero columns for the product
-#             (interleaved: tl.join), so its tile is [K, 64] bf16 with 128-byte rows, and the
-#             even columns of the [M, 64] result are kept (twice the product's work). (Staging
-#             it transposed, [32, K] with K contiguous, does not help: Triton 3.6 then stores
-#             that tile column-major, the same 64-byte MN-major B, checked offline);
-#   c     (3) each bf16 product computed transposed, C^T = B^T A^T, so that the 32-wide block
-#             is the M side: below wgmma's M = 64, Triton takes mma.sync (no wgmma, no
-#             swizzled operand tiles).
-BF16_FIXES = {"none": 0, "a": 1, "b": 2, "c": 3}
-
-
-def bf16_fix(level: int) -> int:
-    """The kernels' BF16_FIX for a ``sequential_bf16`` level (0 at level 0: no bf16 products)."""
-    mode = os.environ.get("FUSETUNE_GDR_BF16_FIX", "none")
-    if mode not in BF16_FIXES:
-        raise ValueError(
-            f"FUSETUNE_GDR_BF16_FIX must be one of {tuple(BF16_FIXES)}, got {mode!r}"
-        )
-    return BF16_FIXES[mode] if level >= 1 else 0
+# The bf16 products' H100 faults (2026-11-27, Triton 3.6, never on a CPU: illegal address in
+# dstates_kernel, garbage o / dh0): each bf16 product staged its narrow operand (the state / dS /
+# D / dD / e^G dO block, BV = 32 columns) as a [K, 32] bf16 tile with 64-byte rows, 64-byte
+# swizzle, for wgmma (compute-sanitizer: an out-of-range shared address in dstates_kernel). So
+# ``mm_state`` computes each bf16 product transposed, C^T = B^T A^T: the 32-wide block is the M
+# side, below wgmma's M = 64, and Triton takes mma.sync (no swizzled wgmma operand tile). Of the
+# three work-arounds tried on the H100 (tools/gdr_fault_probe.py: BV 64; the operand padded with
+# zero columns to 64; transposed), each was clean at B4 T4096, B1 T32768 and B2 T700 with strong
+# decays, 5 repeats; transposed passed the GDR GPU tests and took 6.77 / 17.17 ms fwd+bwd (B4
+# T4096 / B1 T32768 H16 D128 bf16) against BV 64's 6.37 / 18.21 and padding's 6.69 / 16.93.
 
 
 @triton.jit
@@ -308,32 +288,13 @@ def to_bf16(x):
 
 
 @triton.jit
-def _dot_padded(a, b):
-    """a @ b of two 16-bit tiles with b's columns interleaved with as many zero columns for
-    the product (BF16_FIXES b): a 32-column bf16 b is staged as 64 (128-byte rows, 128-byte
-    swizzle, as the fp32 path's tiles), and the even columns of the result are a @ b."""
-    rows: tl.constexpr = b.shape[0]
-    cols: tl.constexpr = b.shape[1]
-    wide = tl.reshape(tl.join(b, tl.zeros_like(b)), [rows, 2 * cols])
-    c = _dot_inputs(a, wide)
-    even, _ = tl.split(tl.reshape(c, [a.shape[0], cols, 2]))
-    return even
-
-
-@triton.jit
-def mm_state(a, b, BF16: tl.constexpr, DOT: tl.constexpr, FIX: tl.constexpr):
+def mm_state(a, b, BF16: tl.constexpr, DOT: tl.constexpr):
     """A product of the sequential kernels (``sequential_bf16``): with BF16 one bf16
     tensor-core product, each fp32 operand rounded to bf16 for it alone (the caller keeps its
-    fp32 value), the sum in fp32; else ``mm``. b is the narrow [*, BV] block. FIX (see
-    BF16_FIXES): 2 pads b to twice its columns (``_dot_padded``), 3 computes (b^T a^T)^T
-    (M = BV: mma.sync)."""
+    fp32 value), the sum in fp32, computed as (b^T a^T)^T (b is the narrow [*, BV] block: M = BV
+    takes mma.sync; see the H100 faults above); else ``mm``."""
     if BF16:
-        if FIX == 2:
-            return _dot_padded(to_bf16(a), to_bf16(b))
-        elif FIX == 3:
-            return tl.trans(_dot_inputs(to_bf16(tl.trans(b)), to_bf16(tl.trans(a))))
-        else:
-            return _dot_inputs(to_bf16(a), to_bf16(b))
+        return tl.trans(_dot_inputs(to_bf16(tl.trans(b)), to_bf16(tl.trans(a))))
     else:
         return mm(a, b, DOT)
 
@@ -543,7 +504,7 @@ def states_kernel(
     k, gc_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr, BF16_FIX: tl.constexpr,
+    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
 ):
     """Sequential over the chunks of one sequence, value head and block of value columns: store
     each chunk's start state S0 [slot, HV, K, V] and turn wy_kernel's U in d_buf into the
@@ -578,11 +539,11 @@ def states_kernel(
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
         Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm_state(  # U - W S0
-            Wc, S, SEQ_BF16 >= 1, DOT, BF16_FIX)
+            Wc, S, SEQ_BF16 >= 1, DOT)
         tl.store(d_rows, Dc, mask=mtv)
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
         S = S * tl.exp(g_last) + mm_state(tl.trans(k_in), (to_end * rk)[:, None] * Dc,
-                                          SEQ_BF16 >= 2, DOT, BF16_FIX)
+                                          SEQ_BF16 >= 2, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
@@ -639,7 +600,7 @@ def dstates_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr, BF16_FIX: tl.constexpr,
+    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
 ):
     """Reverse over chunks: dS (the gradient of the state after the chunk) per chunk into
     dh_buf, dD = exp(G_last - G) K dS + P^T dO into dd_buf (wy_kernel left P^T dO there), and
@@ -683,11 +644,11 @@ def dstates_kernel(
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
         dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
         dDc = tl.load(dd_rows, mask=mtv, other=0.0) + (to_end * rk)[:, None] * mm_state(
-            k_in, dS, SEQ_BF16 >= 2, DOT, BF16_FIX)
+            k_in, dS, SEQ_BF16 >= 2, DOT)
         tl.store(dd_rows, dDc, mask=mtv)
         dOe = (scale * rq * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
-        dS = (dS * tl.exp(g_last) + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT, BF16_FIX)
-              - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT, BF16_FIX))
+        dS = (dS * tl.exp(g_last) + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
+              - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
 
