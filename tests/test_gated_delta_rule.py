@@ -413,6 +413,53 @@ def test_state_copies_are_bf16_for_bf16_inputs_only(monkeypatch):
     assert states == ([torch.bfloat16] * 3 if uses_kernels(leaves[0]) else []), allocated
 
 
+def test_sequential_products_bf16_for_bf16_inputs_only(monkeypatch):
+    """W and the sequential kernels' products are bf16 for bf16 inputs with tf32 products (level
+    2), as before (fp32 W, level 0) otherwise; FUSETUNE_GDR_W=w keeps bf16 only for W and its
+    products, fp32 restores the old path, anything else is refused. A bf16 run allocates w_buf
+    [B, T, HV, K] so (its accuracy: the matrix tests; the other levels: below)."""
+    tf32, split3 = gdr_chunk.DOT_MODES["tf32"], gdr_chunk.DOT_MODES["split3"]
+    monkeypatch.delenv("FUSETUNE_GDR_W", raising=False)
+    assert gdr_chunk.sequential_bf16(torch.bfloat16, tf32) == 2
+    for dtype, dot in ((torch.bfloat16, split3), (torch.float16, split3), (torch.float32, tf32)):
+        assert gdr_chunk.sequential_bf16(dtype, dot) == 0
+    levels = {"w": 1, "fp32": 0, "auto": 2}
+    for mode, level in levels.items():
+        monkeypatch.setenv("FUSETUNE_GDR_W", mode)
+        assert gdr_chunk.sequential_bf16(torch.bfloat16, tf32) == level
+        assert gdr_chunk.sequential_bf16(torch.float16, split3) == 0
+    monkeypatch.setenv("FUSETUNE_GDR_W", "bf16")
+    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_W must be one of .*got 'bf16'"):
+        gdr_chunk.sequential_bf16(torch.bfloat16, tf32)
+    monkeypatch.delenv("FUSETUNE_GDR_W")
+    monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
+    inputs = make_inputs(batch=1, seq_len=40, key_dim=32, value_dim=24, initial_state=False)
+    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
+    g, beta = (inputs[n].to(DEVICE, torch.bfloat16) for n in ("g", "beta"))
+    allocated = []
+    empty = fusetune._utils.empty
+    monkeypatch.setattr(fusetune._utils, "empty",
+                        lambda shape, dtype, device: allocated.append((tuple(shape), dtype))
+                        or empty(shape, dtype, device))  # fmt: skip
+    o, _ = fusetune.gated_delta_rule(*leaves, g, beta)
+    o.float().sum().backward()
+    # [1, T, HV, K]: w_buf in the forward and the backward, dq and dk per value head (fp32)
+    w_bufs = [dtype for shape, dtype in allocated if shape == (1, 40, 2, 32)]
+    want = [torch.bfloat16] * 2 + [torch.float32] * 2 if uses_kernels(leaves[0]) else []
+    assert sorted(w_bufs, key=str) == want, allocated
+
+
+@pytest.mark.parametrize("level", ["w", "fp32"])
+def test_sequential_products_levels(monkeypatch, level):
+    """FUSETUNE_GDR_W's other levels (kept for timing) within bf16's tolerance: grouped heads,
+    l2norm, several chunks and value blocks, an initial state."""
+    monkeypatch.setenv("FUSETUNE_GDR_W", level)
+    monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
+    inputs = make_inputs(batch=1, seq_len=40, key_heads=2, value_heads=4, key_dim=32,
+                         value_dim=40, unit_keys=False)  # fmt: skip
+    run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
+
+
 SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, options)
     "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),

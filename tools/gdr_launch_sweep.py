@@ -2,7 +2,8 @@
 num_warps per kernel), at the bench's Qwen3.5-like shape (B4 T4096 H16 D128, bf16, l2norm, the
 default product mode). Each variant overrides the launcher's keywords of the kernels it names
 (launch settings or constexpr blocks such as BVA; the launcher looks the kernels up in gdr_chunk
-at every call), so no source changes.
+at every call), so no source changes; "env" sets environment variables for a row (those the
+launcher reads at every call, such as FUSETUNE_GDR_W).
 
     PYTHONPATH=src:tests:tools python tools/gdr_launch_sweep.py [--batch 4 --seq-len 4096]
 
@@ -14,6 +15,7 @@ could prefetch them while the state products run, at the cost of shared memory.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
@@ -26,6 +28,10 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # at 8; 2026-11-27 eleventh, H100: bwd_chunk BVA 64 8.50 / 22.53 ms vs 7.73 / 21.02, states
     # and dstates at num_stages 2 9.17 / 23.25)
     "launcher's settings": {},
+    # W and every product of states / dstates in bf16 (2026-11-27, gdr-bf16w) against bf16 W
+    # with bf16 products only where W is an operand, and the fp32 W / tf32 path before it
+    "bf16 W products only": {"env": {"FUSETUNE_GDR_W": "w"}},
+    "fp32 W, tf32 (before)": {"env": {"FUSETUNE_GDR_W": "fp32"}},
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
@@ -56,17 +62,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", action="append", help="a row's name (repeat; default: all)")
     args = parser.parse_args()
+    rows = args.only or list(VARIANTS)
     torch.manual_seed(0)
     shape = (args.batch, args.seq_len, HEADS, DIM)
     leaves = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
     grad_out = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     originals = {name: getattr(gdr_chunk, name) for name in vars(gdr_chunk) if "kernel" in name}
     print(f"B{args.batch} T{args.seq_len} H{HEADS} D{DIM} bf16 l2norm, median of {args.repeats}")
-    for label, overrides in VARIANTS.items():
+    for label in rows:
+        overrides = VARIANTS[label]
         for name, kernel in originals.items():
             setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
         gdr_chunk.state_dtype = overrides.get("state_dtype", STATE_DTYPE)
+        saved = {name: os.environ.get(name) for name in overrides.get("env", {})}
+        os.environ.update(overrides.get("env", {}))
         fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
         try:
             both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
@@ -78,6 +89,12 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 (out of resources: report, go on)
             print(f"{label:28s} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
             continue
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         print(f"{label:28s} fwd+bwd {min(both):7.2f} ms  fwd {fwd:6.2f} ms  "
               f"peak +{peak:6.0f} MiB", flush=True)  # fmt: skip
     for name, kernel in originals.items():

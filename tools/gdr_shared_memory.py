@@ -11,6 +11,9 @@ tensor-core products in split3 mode), or l2norm: bf16 with the kernels normalisi
 (L2NORM), as the models call it (use_qk_l2norm_in_kernel). A fourth argument
 ``hints`` compiles as a launch at such shapes does: every pointer and integer argument marked
 divisible by 16 (Triton 3.6's LLVM aborted on GSA's recurrent kernels only with these hints).
+W and the sequential kernels' products follow the launcher's rule (``gdr_chunk.sequential_bf16``:
+bf16 in tf32 mode with bf16 inputs); FUSETUNE_GDR_W=fp32 compiles them as before (fp32 W, tf32),
+FUSETUNE_GDR_W=w with bf16 W and bf16 products only where W is an operand.
 
 Takes minutes on a CPU (the IEEE-product kernels compile slowly). H100 limit: 232448 bytes.
 """
@@ -43,6 +46,14 @@ SEQ_WARPS = os.environ.get("GDR_SEQ_WARPS")
 BWD_WARPS = int(os.environ.get("GDR_BWD_WARPS", "8"))  # bwd_chunk (the launcher's 8)
 
 
+def input_dtype(dtype: str) -> torch.dtype:
+    return {"fp32": torch.float32, "fp16": torch.float16}.get(dtype, torch.bfloat16)
+
+
+def seq_bf16(dtype: str, dot: int) -> int:
+    return gdr_chunk.sequential_bf16(input_dtype(dtype), dot)
+
+
 def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False):
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -57,10 +68,12 @@ def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool
         elif name in INPUTS:
             signature[name] = "*" + dtype.replace("l2norm", "bf16")
         elif name in ("h_buf", "dh_buf"):  # the launcher's state_dtype (GDR_STATES=fp32: not)
-            inputs = {"fp32": torch.float32, "fp16": torch.float16}.get(dtype, torch.bfloat16)
-            bf16 = gdr_chunk.state_dtype(inputs, consts["DOT"]) == torch.bfloat16
+            bf16 = gdr_chunk.state_dtype(input_dtype(dtype), consts["DOT"]) == torch.bfloat16
             keep = os.environ.get("GDR_STATES") == "fp32"
             signature[name] = "*bf16" if bf16 and not keep else "*fp32"
+        elif name == "w_buf":  # the launcher's (FUSETUNE_GDR_W=fp32: fp32)
+            bf16 = gdr_chunk.w_dtype(seq_bf16(dtype, consts["DOT"])) == torch.bfloat16
+            signature[name] = "*bf16" if bf16 else "*fp32"
         else:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=1)
@@ -95,6 +108,7 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
     base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
     per_chunk = 4 if mode == "tf32" else 8  # the launcher's warps for wy and output
+    sequential = seq_bf16(dtype, DOTS[mode])  # bf16 W and products (FUSETUNE_GDR_W)
     jobs = [
         ("wy_kernel", gdr_chunk.wy_kernel, dict(base, BV=min(dim, 64), LOCAL_DD=False), per_chunk),
         (
@@ -106,14 +120,14 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
         (
             "states_kernel",
             gdr_chunk.states_kernel,
-            dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True),
+            dict(base, BV=state_bv, HAS_H0=True, STORE_HT=True, SEQ_BF16=sequential),
             int(SEQ_WARPS or 4),
         ),
         ("output_kernel", gdr_chunk.output_kernel, dict(base, BVA=min(dim, 64)), per_chunk),
         (
             "dstates_kernel",
             gdr_chunk.dstates_kernel,
-            dict(base, BV=state_bv, HAS_DHT=True),
+            dict(base, BV=state_bv, HAS_DHT=True, SEQ_BF16=sequential),
             int(SEQ_WARPS or 8),
         ),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),

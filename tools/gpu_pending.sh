@@ -37,8 +37,14 @@
 #     2026-11-27 fifteenth; Unsloth's load + step there took ~220 s): each from 229376 tokens
 #     (LENGTH=...) up to 262144, under a 400 s step bound.
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
-#     (the bf16 per-chunk S0 / dS copies of 2026-11-27 eleventh have not run on a GPU), then the
-#     launch sweep at both bench shapes (its "fp32 state copies" row is the code before them).
+#     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
+#     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
+#     (FUSETUNE_GDR_W=fp32) is the code before them, "bf16 W products only" (=w) the middle way.
+#   bash tools/gpu_pending.sh gdr-probe 1 GPU, no carry (~3 minutes): tools/gdr_fault_probe.py
+#     matrix (levels w / auto, DISABLE_MMA_V3=1 and 4-warp states / dstates, at B4 T4096,
+#     B1 T32768 and B2 T700 with strong decays, 5 repeats each in its own process, against level
+#     0; compute-sanitizer on the first faulting case). 2026-11-27 sixteenth: found the faults'
+#     work-around (the transposed bf16 products); rerun after any change to states / dstates.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
@@ -88,6 +94,12 @@ if [ "${1:-}" = gdr ]; then  # the GPU tests, then launch variants at both shape
     timeout 150 python3 tools/gdr_launch_sweep.py --repeats 3 --batch "$1" --seq-len "$2" 2>&1 \
       | tee -a "$OUT/gdr-sweep.log"
   done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate fix
+  PYTHONPATH=src:tests:tools timeout 420 python3 tools/gdr_fault_probe.py matrix --repeats 5 \
+    2>&1 | tee "$OUT/gdr-fault-probe.log"
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -100,10 +100,13 @@ class _ChunkRun:
         # from it inside wy_kernel)
         self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
         self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
-        self.w_buf = _utils.empty((*rows, plan.key_dim), f32, device)  # W = T (beta e^G K)
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         dot = gdr_chunk.dot_mode(v.dtype, _utils.shared_memory_per_block(device))
+        # W = T (beta e^G K), bf16 for bf16 inputs, where the sequential kernels' products are
+        # bf16 ones too (gdr_chunk.sequential_bf16; FUSETUNE_GDR_W=fp32: fp32 W, tf32)
+        seq_bf16 = gdr_chunk.sequential_bf16(v.dtype, dot)
+        self.w_buf = _utils.empty((*rows, plan.key_dim), gdr_chunk.w_dtype(seq_bf16), device)
         # Each chunk's start state (and in the backward the state gradient) as stored for the
         # per-chunk kernels: in bf16 for bf16 inputs (tf32 products), as FLA stores them; the
         # sequential kernels carry the states in fp32 and round each chunk's copy once.
@@ -139,6 +142,7 @@ class _ChunkRun:
         # 7.97 -> 8.36, dstates at 8 7.82: tools/gdr_launch_sweep.py).
         few = self.column_grid[0] * self.column_grid[1] < _utils.num_programs_in_flight(device)
         self.states_launch = self.wide if few else self.common
+        self.sequential = dict(SEQ_BF16=seq_bf16)  # states_ and dstates_kernel
 
     def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
                scale=1.0) -> None:
@@ -157,7 +161,8 @@ class _ChunkRun:
             k, self.gc_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
-            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.states_launch,
+            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
+            **self.states_launch,
         )
 
 
@@ -197,7 +202,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     gdr_chunk.dstates_kernel[run.column_grid](
         q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
-        plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None, **run.wide,
+        plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
+        **run.sequential, **run.wide,
     )
     run.w_buf = None  # freed before the gradients' buffers are allocated: no peak holds both
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
@@ -390,7 +396,9 @@ def gated_delta_rule(
         Under torch.autocast q, k and v are cast to the autocast dtype first; gradients come
         back in each input's own dtype. Accumulation and carried states are fp32 throughout;
         chunk mode's products with a computed fp32 operand run on tensor cores at about fp32's
-        accuracy for fp32 and fp16 inputs, and rounded to tf32 (4x finer than bf16) for bf16.
+        accuracy for fp32 and fp16 inputs; for bf16 they round it to tf32 (4x finer than bf16),
+        or to bf16 in the two kernels that carry the state across chunks (the state, fp32,
+        rounded only as a product's operand).
 
     Raises:
         TypeError: a non-tensor or non-floating input; q, k, v of different dtypes; non-bool

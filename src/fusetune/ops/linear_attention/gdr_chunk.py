@@ -12,7 +12,9 @@ Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, k
 every chunk's S0 and D from W and U, the final state), ``output_kernel`` (per chunk and block of
 value columns: O). Backward: below.
 The sequential kernels carry the state in fp32; the per-chunk copies of S0 and dS they store
-for the parallel kernels are bf16 for bf16 inputs (``state_dtype``), fp32 otherwise.
+for the parallel kernels are bf16 for bf16 inputs (``state_dtype``), fp32 otherwise. For bf16
+inputs W is stored in bf16 too and the sequential kernels' products are bf16 ones, each fp32
+operand rounded to bf16 for its product alone (``sequential_bf16``).
 Products are fp32-exact (``mm``, ``DOT``): tensor cores (3, the default,
 ``FUSETUNE_GDR_DOT=split3``: input tiles enter in their own dtype, fp32 operands as two tf32
 halves) or IEEE FMA (2, ``ieee``).
@@ -38,6 +40,8 @@ UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
 # The interpreter's tf32 tl.dot is full fp32: it drops the operands' 13 low mantissa bits itself,
 # as the tensor cores ignore them, so that the CPU tests see tf32 mode's rounding.
 EMULATE_TF32 = tl.constexpr(INTERPRET)
+# The interpreter's fp32 -> bf16 conversion truncates; the GPU's rounds to nearest (see to_bf16).
+ROUND_BF16 = tl.constexpr(INTERPRET)
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
 BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
 # SHARED MEMORY (H100: 232448 bytes a block). Triton stages every tl.dot operand through shared
@@ -70,6 +74,11 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 #     thread at 8 warps): tf32 212992 (4224 -> 3632 B), split3 fp16 180224 (163840 before;
 #     3824 -> 3000 B), split3 fp32 196608 (4888 -> 3832 B); sm_80 (GDR_ARCH=80): tf32 131072,
 #     split3 fp16 81920
+#     bf16 W and bf16 products in states / dstates (``sequential_bf16`` 2; Triton 3.9, hints,
+#     tf32 l2norm; bytes, spill stack a thread; states 4 warps, dstates 8): states 57344, 24 B
+#     -> 32768, 0 B; dstates 40960, 552 B -> 28672, 0 B; wy (backward) 98304, spill 208 -> 96
+#     B; the others unchanged. K = V = 256: states 34816, 104 B -> 18432, 0 B; dstates 34816,
+#     216 B -> 18432, 0 B. sm_80, K = V = 128: states 40960 -> 24576, dstates 32768 -> 20480
 #   K = V = 256, BT 32
 #     ieee fp32             32768   71680   139264  75904    102528
 #     split3 fp32 / l2norm  65536   34816   65536   81920    98304
@@ -151,6 +160,50 @@ def state_dtype(dtype: torch.dtype, dot: int, gradient: bool = False) -> torch.d
     return torch.bfloat16 if dtype == torch.bfloat16 and dot == DOT_MODES["tf32"] else torch.float32
 
 
+W_MODES = {"fp32": 0, "w": 1, "auto": 2}
+
+
+def sequential_bf16(dtype: torch.dtype, dot: int) -> int:
+    """How far the sequential kernels (states_kernel, dstates_kernel: their SEQ_BF16) go in
+    bf16 for inputs of ``dtype`` with products of mode ``dot``; W = T (beta e^G K) is stored
+    in bf16 (``w_dtype``) from 1 up. 2 for bf16 inputs in tf32 mode: every product of those two
+    kernels is one bf16 tensor-core product, its fp32 operand (the state, dS, D, dD, e^G dO)
+    rounded to bf16 in registers for that product alone, while the state itself stays fp32 and
+    accumulates in fp32 (as FLA's state kernels do). Against tf32 on fp32 operands, the operand
+    tiles are half the bytes through shared memory and the products run at twice the rate
+    (offline, sm_90, K = V = 128: no spill left in either kernel); each operand rounding is
+    bf16's to nearest (2^-8 relative) instead of tf32's truncation (2^-10), the rounding bf16
+    inputs already carry. Measured against float64 (interpreter): the final state's error
+    grows about 4x (4e-4 -> 1.8e-3), o's and the gradients' by at most 1.6x (dbeta), all within
+    bf16's 1e-2. 0 otherwise (fp16 and fp32 inputs keep fp32 W and split products).
+    ``FUSETUNE_GDR_W`` (read at every call, for timing them in one process): ``fp32`` = 0,
+    fp32 W and tf32 products as before; ``w`` = 1, bf16 W and bf16 products with W only
+    (W S0, W^T dD), the products with q and k tf32 as before; ``auto`` the default."""
+    mode = os.environ.get("FUSETUNE_GDR_W", "auto")
+    if mode not in W_MODES:
+        raise ValueError(f"FUSETUNE_GDR_W must be one of {tuple(W_MODES)}, got {mode!r}")
+    if dtype != torch.bfloat16 or dot != DOT_MODES["tf32"]:
+        return 0
+    return W_MODES[mode]
+
+
+def w_dtype(level: int) -> torch.dtype:
+    """w_buf's dtype for a ``sequential_bf16`` level: bf16 from 1 up."""
+    return torch.bfloat16 if level >= 1 else torch.float32
+
+
+# The bf16 products' H100 faults (2026-11-27, Triton 3.6, never on a CPU: illegal address in
+# dstates_kernel, garbage o / dh0): each bf16 product staged its narrow operand (the state / dS /
+# D / dD / e^G dO block, BV = 32 columns) as a [K, 32] bf16 tile with 64-byte rows, 64-byte
+# swizzle, for wgmma (compute-sanitizer: an out-of-range shared address in dstates_kernel). So
+# ``mm_state`` computes each bf16 product transposed, C^T = B^T A^T: the 32-wide block is the M
+# side, below wgmma's M = 64, and Triton takes mma.sync (no swizzled wgmma operand tile). Of the
+# three work-arounds tried on the H100 (tools/gdr_fault_probe.py: BV 64; the operand padded with
+# zero columns to 64; transposed), each was clean at B4 T4096, B1 T32768 and B2 T700 with strong
+# decays, 5 repeats; transposed passed the GDR GPU tests and took 6.77 / 17.17 ms fwd+bwd (B4
+# T4096 / B1 T32768 H16 D128 bf16) against BV 64's 6.37 / 18.21 and padding's 6.69 / 16.93.
+
+
 @triton.jit
 def tf32_round(x):
     """fp32 x rounded to the nearest tf32 (10 mantissa bits, ties away from zero): add half a
@@ -216,6 +269,34 @@ def _dot_inputs(a, b):
             return tl.dot(a, b)
     else:  # fp16 with bf16: both exact in tf32
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
+def to_bf16(x):
+    """x rounded to the nearest bf16 (ties to even), as the GPU's conversion does; a bf16 tile
+    stays as it is. The interpreter's conversion truncates (coarser, and biased toward zero),
+    so there the bits are rounded first and the conversion is then exact."""
+    if x.dtype == tl.bfloat16:
+        return x
+    else:
+        if ROUND_BF16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:
+            return x.to(tl.bfloat16)
+
+
+@triton.jit
+def mm_state(a, b, BF16: tl.constexpr, DOT: tl.constexpr):
+    """A product of the sequential kernels (``sequential_bf16``): with BF16 one bf16
+    tensor-core product, each fp32 operand rounded to bf16 for it alone (the caller keeps its
+    fp32 value), the sum in fp32, computed as (b^T a^T)^T (b is the narrow [*, BV] block: M = BV
+    takes mma.sync; see the H100 faults above); else ``mm``."""
+    if BF16:
+        return tl.trans(_dot_inputs(to_bf16(tl.trans(b)), to_bf16(tl.trans(a))))
+    else:
+        return mm(a, b, DOT)
 
 
 @triton.jit
@@ -396,6 +477,8 @@ def wy_kernel(
         tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
     gc, _ = gate_sums(gq)
     Wc = mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)  # K stays an input tile
+    if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
+        Wc = to_bf16(Wc)
     tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
     Tb = Tinv * bc[None, :]
     if LOCAL_DD:
@@ -421,11 +504,12 @@ def states_kernel(
     k, gc_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
 ):
     """Sequential over the chunks of one sequence, value head and block of value columns: store
     each chunk's start state S0 [slot, HV, K, V] and turn wy_kernel's U in d_buf into the
-    writes D = U - W S0 [T, HV, V]."""
+    writes D = U - W S0 [T, HV, V]. SEQ_BF16: W in bf16 from 1, bf16 products with W from 1,
+    all from 2 (``sequential_bf16``)."""
     i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
@@ -454,10 +538,12 @@ def states_kernel(
         rk = inv_norms(k_in, BT, L2NORM)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
-        Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm(Wc, S, DOT)  # U - W S0
+        Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm_state(  # U - W S0
+            Wc, S, SEQ_BF16 >= 1, DOT)
         tl.store(d_rows, Dc, mask=mtv)
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
-        S = S * tl.exp(g_last) + mm(tl.trans(k_in), (to_end * rk)[:, None] * Dc, DOT)
+        S = S * tl.exp(g_last) + mm_state(tl.trans(k_in), (to_end * rk)[:, None] * Dc,
+                                          SEQ_BF16 >= 2, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
@@ -514,11 +600,12 @@ def dstates_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
 ):
     """Reverse over chunks: dS (the gradient of the state after the chunk) per chunk into
     dh_buf, dD = exp(G_last - G) K dS + P^T dO into dd_buf (wy_kernel left P^T dO there), and
-    dS before the chunk: exp(G_last) dS + (exp(G) Q)^T dO - W^T dD; dh0 at the end."""
+    dS before the chunk: exp(G_last) dS + (exp(G) Q)^T dO - W^T dD; dh0 at the end. SEQ_BF16:
+    as in states_kernel."""
     i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
@@ -556,10 +643,12 @@ def dstates_kernel(
         rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
         to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
         dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
-        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + (to_end * rk)[:, None] * mm(k_in, dS, DOT)
+        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + (to_end * rk)[:, None] * mm_state(
+            k_in, dS, SEQ_BF16 >= 2, DOT)
         tl.store(dd_rows, dDc, mask=mtv)
         dOe = (scale * rq * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
-        dS = dS * tl.exp(g_last) + mm(tl.trans(q_in), dOe, DOT) - mm(tl.trans(Wc), dDc, DOT)
+        dS = (dS * tl.exp(g_last) + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
+              - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
 
