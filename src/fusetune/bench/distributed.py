@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="FSDP2: reshard_after_forward=False (each layer's gathered "
                              "parameters kept from its forward to its backward: one all-gather "
                              "a layer a step, not two)")  # fmt: skip
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="what rank 0 holds at the peak of one more step, by where it was "
+                             "allocated (fusetune.bench.memory_peak)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
     parser.add_argument("--out", default="bench_results", help="folder for results and logs")
     return parser
@@ -128,7 +131,8 @@ def jobs(args: argparse.Namespace, tiny: bool) -> list[dict[str, Any]]:
         job = dict(engine=engine, mode=mode, shape=key, variant=variant, batch=batch)
         found.append({**job, "seq_len": seq_len, "steps": args.steps, "warmup": args.warmup,
                       "tiny": tiny, "layers": args.layers, "profile": args.profile,
-                      "keep_gathered": args.keep_gathered})  # fmt: skip
+                      "keep_gathered": args.keep_gathered,
+                      "memory_peak": args.memory_peak})  # fmt: skip
     return found
 
 
@@ -431,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:  # where the step's time goes: CUDA kinds against the wall step
         for line in profile_lines({**row, "variant": f"{_variant_name(row)} x{row['nproc']}"}):
             print(line, flush=True)
+        if row.get("memory_peak"):
+            print(f"{_variant_name(row)} x{row['nproc']}, rank 0:", flush=True)
+            print("\n".join(row["memory_peak"]), flush=True)
     bad = [r for r in rows if r["variant"].startswith("fusetune") and not_fused(r)]
     return 1 if bad else 0
 

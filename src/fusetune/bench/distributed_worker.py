@@ -48,6 +48,7 @@ from fusetune.bench.cases_e2e import (
     profile_step,
 )
 from fusetune.bench.harness import synchronize
+from fusetune.bench.memory_peak import live_at_peak
 from fusetune.graphed_step import DEFAULT_WARMUP
 
 TAG = "RESULT "
@@ -274,6 +275,9 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     if job.get("profile") and device.type == "cuda":  # every rank steps (collectives)
         profile = profile_step(lambda: step(ids.to(device)))
         profile["wall_ms"] = median
+    memory_peak = None
+    if job.get("memory_peak") and device.type == "cuda":  # every rank steps (collectives)
+        memory_peak = live_at_peak(lambda: step(ids.to(device)), device)
     peak = None
     if device.type == "cuda":
         most = torch.tensor(float(torch.cuda.max_memory_allocated(device) - base), device=device)
@@ -281,11 +285,13 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         peak = most.item() / 2**30
     tokens = job["batch"] * job["seq_len"]
     ran = DEFAULT_WARMUP + 1 if graphed else warmup + job["steps"] + 2 * bool(profile)
+    ran += bool(memory_peak)
     return dict(variant=job["variant"], world=dist.get_world_size(), step_ms=median,
                 step_ms_min=min(times), step_ms_max=max(times),
                 tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,
                 fused_calls=len(calls), steps=ran,
-                fallback_warnings=fallbacks, profile=profile, note=_note(job))  # fmt: skip
+                fallback_warnings=fallbacks, profile=profile, memory_peak=memory_peak,
+                note=_note(job))  # fmt: skip
 
 
 def _note(job: dict[str, Any]) -> str:
