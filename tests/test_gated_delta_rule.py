@@ -388,6 +388,22 @@ def test_dot_mode_names(monkeypatch):
             gdr_chunk.dot_mode(torch.float32)
 
 
+def bf16_run_allocations(monkeypatch, **shape) -> tuple[list, bool]:
+    """A bf16 forward and backward of one sequence (``make_inputs`` sizes): the (shape, dtype)
+    of every buffer ``fusetune._utils.empty`` allocated, and whether the kernels ran."""
+    inputs = make_inputs(batch=1, initial_state=False, **shape)
+    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
+    g, beta = (inputs[n].to(DEVICE, torch.bfloat16) for n in ("g", "beta"))
+    allocated = []
+    empty = fusetune._utils.empty
+    monkeypatch.setattr(fusetune._utils, "empty",
+                        lambda size, dtype, device: allocated.append((tuple(size), dtype))
+                        or empty(size, dtype, device))  # fmt: skip
+    o, _ = fusetune.gated_delta_rule(*leaves, g, beta)
+    o.float().sum().backward()
+    return allocated, uses_kernels(leaves[0])
+
+
 def test_state_copies_are_bf16_for_bf16_inputs_only(monkeypatch):
     """The per-chunk copies of S0 and dS (the sequential kernels carry fp32) are bf16 for bf16
     inputs with tf32 products, fp32 otherwise; a bf16 run allocates them so (their accuracy:
@@ -398,19 +414,10 @@ def test_state_copies_are_bf16_for_bf16_inputs_only(monkeypatch):
                        (torch.float16, split3), (torch.float32, tf32)):  # fmt: skip
         assert gdr_chunk.state_dtype(dtype, dot) == torch.float32
     monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
-    inputs = make_inputs(batch=1, seq_len=130, key_dim=16, value_dim=16, initial_state=False)
-    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
-    g, beta = (inputs[n].to(DEVICE, torch.bfloat16) for n in ("g", "beta"))
-    allocated = []
-    empty = fusetune._utils.empty
-    monkeypatch.setattr(fusetune._utils, "empty",
-                        lambda shape, dtype, device: allocated.append((tuple(shape), dtype))
-                        or empty(shape, dtype, device))  # fmt: skip
-    o, _ = fusetune.gated_delta_rule(*leaves, g, beta)
-    o.float().sum().backward()
+    allocated, uses = bf16_run_allocations(monkeypatch, seq_len=130, key_dim=16, value_dim=16)
     # [chunks, heads, K, V]: the forward's S0, the backward's S0 and dS (dh0 is [1, ...])
     states = [dtype for shape, dtype in allocated if shape[1:] == (2, 16, 16) and shape[0] > 1]
-    assert states == ([torch.bfloat16] * 3 if uses_kernels(leaves[0]) else []), allocated
+    assert states == ([torch.bfloat16] * 3 if uses else []), allocated
 
 
 def test_sequential_products_bf16_for_bf16_inputs_only(monkeypatch):
@@ -433,19 +440,10 @@ def test_sequential_products_bf16_for_bf16_inputs_only(monkeypatch):
         gdr_chunk.sequential_bf16(torch.bfloat16, tf32)
     monkeypatch.delenv("FUSETUNE_GDR_W")
     monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
-    inputs = make_inputs(batch=1, seq_len=40, key_dim=32, value_dim=24, initial_state=False)
-    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
-    g, beta = (inputs[n].to(DEVICE, torch.bfloat16) for n in ("g", "beta"))
-    allocated = []
-    empty = fusetune._utils.empty
-    monkeypatch.setattr(fusetune._utils, "empty",
-                        lambda shape, dtype, device: allocated.append((tuple(shape), dtype))
-                        or empty(shape, dtype, device))  # fmt: skip
-    o, _ = fusetune.gated_delta_rule(*leaves, g, beta)
-    o.float().sum().backward()
+    allocated, uses = bf16_run_allocations(monkeypatch, seq_len=40, key_dim=32, value_dim=24)
     # [1, T, HV, K]: w_buf in the forward and the backward, dq and dk per value head (fp32)
     w_bufs = [dtype for shape, dtype in allocated if shape == (1, 40, 2, 32)]
-    want = [torch.bfloat16] * 2 + [torch.float32] * 2 if uses_kernels(leaves[0]) else []
+    want = [torch.bfloat16] * 2 + [torch.float32] * 2 if uses else []
     assert sorted(w_bufs, key=str) == want, allocated
 
 
