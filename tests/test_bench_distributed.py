@@ -124,17 +124,21 @@ def test_jobs_order_and_choices():
         distributed.jobs(args, tiny=True)
 
 
+LAYOUTS = {"fsdp2-full": ["--engine", "fsdp2", "--full", "--memory-peak"],
+           "ddp-lora": ["--engine", "ddp"]}  # fmt: skip
+
+
 @pytest.mark.skipif(
     torch.cuda.device_count() == 1,
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): see test_distributed.py",
 )
-@pytest.mark.parametrize("layout", [["--engine", "fsdp2", "--full"], ["--engine", "ddp"]],
-                         ids=["fsdp2-full", "ddp-lora"])  # fmt: skip
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_command_on_two_ranks(tmp_path, capsys, layout):
-    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own, and LoRA
-    with the model whole on every rank (DDP; on GPUs also graphed): the 1-rank and the 2-rank
-    launch both give a row with the fused loss on every step that runs the model's Python (a
-    graphed step: its eager steps and the capture) and a scaling efficiency."""
+    """Full fine-tuning of the tiny Llama under FSDP2, its head sharded on its own (with
+    --memory-peak: one more step on GPUs), and LoRA with the model whole on every rank (DDP; on
+    GPUs also graphed): the 1-rank and the 2-rank launch both give a row with the fused loss on
+    every step that runs the model's Python (a graphed step: its eager steps and the capture)
+    and a scaling efficiency."""
     graphed = layout[1] == "ddp" and torch.cuda.is_available()
     variants = "fusetune,fusetune-graph" if graphed else "fusetune"
     argv = ["bench", "e2e", "--nproc", "2", "--tiny", *layout, "--variants", variants,
@@ -147,10 +151,16 @@ def test_command_on_two_ranks(tmp_path, capsys, layout):
     for got in rows:
         assert "error" not in got, (got, (tmp_path / got["log"]).read_text()[-3000:])
         eager = got["variant"] != "fusetune-graph"
-        assert got["fused_calls"] == got["steps"] == (2 if eager else 4), got
+        traced = "--memory-peak" in layout and torch.cuda.is_available()
+        assert got["fused_calls"] == got["steps"] == (2 + traced if eager else 4), got
         assert got["fallback_warnings"] == [] and got["world"] == got["nproc"]
     assert all(r["efficiency"] > 0 for r in rows if r["nproc"] == 2) and code == 0
-    assert "fusetune" in printed and "2/2" in printed
+    assert "fusetune" in printed and ("2/2" in printed or "3/3" in printed)
+    if "--memory-peak" in layout:  # rank 0's lines, at 1 and 2 ranks
+        from fusetune.bench import memory_peak
+
+        want = "peak of one step" if torch.cuda.is_available() else memory_peak.NOT_CUDA
+        assert printed.count(want) == 2, printed
 
 
 def test_compiled_variants_compile_each_decoder_layer():

@@ -416,16 +416,21 @@ def test_comparison_table_and_loss_rows():
 
 
 def test_bench_e2e_cpu_smoke(tmp_path, capsys):
-    from fusetune.bench import cases_e2e
+    from fusetune.bench import cases_e2e, memory_peak
 
     variants = list(cases_e2e.DEFAULT_VARIANTS)  # unsloth: test_bench_e2e_unsloth_missing_*
     argv = ["--shapes", "qwen2.5-0.5b", "--steps", "1", "--warmup", "1", "--batch", "1"]
     argv += ["--seq-len", "16", "--tiny", "--out", str(tmp_path), "--variants", ",".join(variants)]
-    assert cases_e2e.main(argv) == 0
+    assert cases_e2e.main([*argv, "--memory-peak"]) == 0
     out = capsys.readouterr().out
     assert "hf+peft+fusetune" in out
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == variants
+    fused = rows[variants.index("hf+peft+fusetune")]["memory_peak"]
+    if torch.cuda.is_available():  # what the step held, named by where it was allocated
+        assert fused[0].startswith("peak of one step") and len(fused) > 2, fused
+    else:
+        assert fused == [memory_peak.NOT_CUDA] and memory_peak.NOT_CUDA in out
     liger = rows[variants.index("hf+peft+liger")]
     liger_runs = torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
     if not torch.cuda.is_available():

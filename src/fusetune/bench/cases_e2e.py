@@ -58,6 +58,7 @@ import torch
 
 from fusetune.bench import unsloth_variant
 from fusetune.bench.harness import Case, environment, register, synchronize
+from fusetune.bench.memory_peak import live_at_peak
 
 SEQ_LEN = 2048
 RANK, ALPHA = 16, 32
@@ -380,6 +381,7 @@ def measure(
     steps: int = 5,
     max_batch: str = "estimate",
     profile: bool = False,
+    memory_peak: bool = False,
 ) -> dict[str, Any]:
     """Build, warm up, time ``steps`` steps; memory is the whole run's peak above what was
     allocated before the model existed."""
@@ -410,6 +412,8 @@ def measure(
         "adapter_dtype": unsloth_variant.adapter_dtype(model),
         "checkpointed_layers": unsloth_variant.checkpointed_layers(model),
     }
+    if memory_peak and not graph:  # (a graph's replays allocate nothing)
+        result["memory_peak"] = live_at_peak(step, device)
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
         fixed = torch.cuda.memory_allocated(device) - base  # weights, adapters, AdamW state
@@ -603,6 +607,7 @@ def run_e2e(
                 tiny=tiny,
                 max_batch=args.max_batch if device.type == "cuda" else "off",
                 profile=args.profile,
+                memory_peak=args.memory_peak,
                 steps=args.steps,
                 warmup=args.warmup,
             )
@@ -736,6 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="tiny configs (smoke run)")
     parser.add_argument("--in-process", action="store_true", help="no subprocess per variant")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel, one step")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="what one more step holds at its peak, by the frame that allocated "
+                             "it (fusetune.bench.memory_peak)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=WORKER_TIMEOUT_S, help="per variant, s")
     parser.add_argument("--out", default="bench_results", help="folder for e2e.json and e2e.txt")
     return parser
@@ -763,6 +771,10 @@ def main(argv: list[str] | None = None) -> int:
         f"fp32 adapters, sdpa | {where} | {_versions()} | {env['date']}"
     )
     profiles = [line for row in rows for line in profile_lines(row)]
+    for row in rows:
+        if row.get("memory_peak"):
+            profiles += [f"memory {row['shape']} b{row['batch']} {row['variant']}:",
+                         *row["memory_peak"]]  # fmt: skip
     text = "\n".join([format_e2e(rows), title, *profiles])
     print(text)
     save(rows)

@@ -276,7 +276,7 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         profile = profile_step(lambda: step(ids.to(device)))
         profile["wall_ms"] = median
     memory_peak = None
-    if job.get("memory_peak") and device.type == "cuda":  # every rank steps (collectives)
+    if job.get("memory_peak"):  # every rank steps (collectives)
         memory_peak = live_at_peak(lambda: step(ids.to(device)), device)
     peak = None
     if device.type == "cuda":
@@ -285,7 +285,7 @@ def measure(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
         peak = most.item() / 2**30
     tokens = job["batch"] * job["seq_len"]
     ran = DEFAULT_WARMUP + 1 if graphed else warmup + job["steps"] + 2 * bool(profile)
-    ran += bool(memory_peak)
+    ran += bool(memory_peak) and device.type == "cuda"  # (off CUDA it runs no step)
     return dict(variant=job["variant"], world=dist.get_world_size(), step_ms=median,
                 step_ms_min=min(times), step_ms_max=max(times),
                 tokens_per_s_per_gpu=tokens / (median * 1e-3), peak_gib_per_gpu=peak,

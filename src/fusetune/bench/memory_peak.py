@@ -17,6 +17,7 @@ import torch
 TELLING = ("fusetune/", "transformers/", "peft/", "torch/distributed/", "torch/optim/",
            "torch/autograd/", "torch/utils/checkpoint")  # fmt: skip
 MAX_ENTRIES = 1_000_000
+NOT_CUDA = "memory peak: not measured (CUDA's caching allocator only)"
 
 
 def _site(frames: list[dict]) -> str:
@@ -57,7 +58,9 @@ def _replay(trace: list[dict], stop: int | None) -> tuple[int, int, dict, int]:
 def live_at_peak(step: Callable[[], None], device: torch.device, top: int = 14) -> list[str]:
     """One call of ``step`` under the allocator's history: lines naming the step's peak (GiB
     above the start and in all), what was allocated before the step, and the ``top`` sites of
-    what the step held at its peak (GiB, blocks)."""
+    what the step held at its peak (GiB, blocks). Off CUDA one line says so (no step runs)."""
+    if device.type != "cuda":
+        return [NOT_CUDA]
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
