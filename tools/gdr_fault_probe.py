@@ -52,30 +52,17 @@ BAD = 0.05  # relative error (norm) that no bf16 rounding reaches (the tests all
 
 
 def strong_decay_inputs(device):
-    """test_strong_decays_gpu's inputs (make_inputs(batch=2, seq_len=700, key_heads=2,
-    value_heads=4, key_dim=128, value_dim=128, unit_keys=False, decay_scale=16.0)), seeded, cast
-    to bf16 as check_op casts them."""
+    """test_strong_decays_gpu's inputs (its ``make_inputs`` call, seeded), cast to bf16 as
+    check_op casts them, and cotangents for the output and the final state."""
     import torch
-    import torch.nn.functional as F
 
-    gen = torch.Generator().manual_seed(0)
-    batch, seq_len, key_heads, value_heads, dim = 2, 700, 2, 4, 128
+    from test_gated_delta_rule import make_inputs
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    q, k = randn(batch, seq_len, key_heads, dim), randn(batch, seq_len, key_heads, dim)
-    decay_rate = torch.rand(value_heads, generator=gen, dtype=torch.float64) * 16.0 + 0.05
-    inputs = {
-        "q": q,
-        "k": k,
-        "v": randn(batch, seq_len, value_heads, dim),
-        "g": -decay_rate * F.softplus(randn(batch, seq_len, value_heads) - 1),
-        "beta": torch.sigmoid(randn(batch, seq_len, value_heads)),
-        "h0": 0.5 * randn(batch, value_heads, dim, dim),
-    }
+    torch.manual_seed(0)
+    inputs = make_inputs(batch=2, seq_len=700, key_heads=2, value_heads=4, key_dim=128,
+                         value_dim=128, unit_keys=False, decay_scale=16.0)  # fmt: skip
     leaves = {n: t.to(device, torch.bfloat16).requires_grad_() for n, t in inputs.items()}
-    cotangents = [randn(batch, seq_len, value_heads, dim), randn(batch, value_heads, dim, dim)]
+    cotangents = [torch.randn_like(inputs["v"]), torch.randn_like(inputs["h0"])]
     return leaves, [c.to(device, torch.bfloat16) for c in cotangents]
 
 
@@ -121,18 +108,12 @@ def make_case(shape: str):
 def seq_warps(warps: int) -> None:
     """Launch states_kernel and dstates_kernel at ``warps`` warps (the launcher looks them up in
     gdr_chunk at every call), as tools/gdr_launch_sweep.py's rows do."""
+    from gdr_launch_sweep import Override
+
     from fusetune.ops.linear_attention import gdr_chunk
 
-    class Override:
-        def __init__(self, kernel) -> None:
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            run = self.kernel[grid]
-            return lambda *args, **kwargs: run(*args, **{**kwargs, "num_warps": warps})
-
     for name in ("states_kernel", "dstates_kernel"):
-        setattr(gdr_chunk, name, Override(getattr(gdr_chunk, name)))
+        setattr(gdr_chunk, name, Override(getattr(gdr_chunk, name), num_warps=warps))
 
 
 def relative_error(out, ref) -> float:
