@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from unittest import mock
 
 import torch
 from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
@@ -76,25 +77,19 @@ def main() -> None:
         for name, kernel in originals.items():
             setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
         gdr_chunk.state_dtype = overrides.get("state_dtype", STATE_DTYPE)
-        saved = {name: os.environ.get(name) for name in overrides.get("env", {})}
-        os.environ.update(overrides.get("env", {}))
-        fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
         try:
-            both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
-            fwd = timed(fwd_only, args.repeats)
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fwd_bwd()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            # the row's environment only while it runs (the launcher reads it at every call)
+            with mock.patch.dict(os.environ, overrides.get("env", {})):
+                fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
+                both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
+                fwd = timed(fwd_only, args.repeats)
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fwd_bwd()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         except Exception as error:  # noqa: BLE001 (out of resources: report, go on)
             print(f"{label:28s} failed: {type(error).__name__}: {str(error)[:120]}", flush=True)
             continue
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         print(f"{label:28s} fwd+bwd {min(both):7.2f} ms  fwd {fwd:6.2f} ms  "
               f"peak +{peak:6.0f} MiB", flush=True)  # fmt: skip
     for name, kernel in originals.items():
