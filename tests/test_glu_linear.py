@@ -1,11 +1,15 @@
 """fusetune.glu_linear (the GLU and the down projection after it, act(gate) * up not kept for
 the backward) against its float64 reference and against ``F.linear(fusetune.swiglu(...))``;
-what it saves; bad input.
+what it saves; bad input; and its use in the patched transformers MLP (full fine-tuning), with
+the cases that keep the module call (frozen weight, no grad, hooks, ZeRO-3).
 
 CPU (Triton interpreter): small shapes, a part of the matrix compiled (aot_eager). GPU: the
 whole matrix compiled with Inductor, a benchmark-sized case and the memory the forward keeps."""
 
 from __future__ import annotations
+
+import copy
+import warnings
 
 import pytest
 import torch
@@ -250,6 +254,130 @@ def test_bad_input(mode):
     if mode == "eager":  # (a meta tensor is not a compiled graph's input)
         assert_raises(ValueError, "tensors must be on one device", call, gate, up,
                       weight.to("meta"))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def _tiny_llama(**overrides):
+    pytest.importorskip("transformers")
+    from test_transformers import tiny_model
+
+    return tiny_model("llama", **overrides)
+
+
+@pytest.fixture
+def glu_linear_calls(monkeypatch):
+    """Counts the patched MLPs' glu_linear calls; warnings of any earlier test forgotten."""
+    from fusetune.integrations import _transformers_forwards as forwards
+
+    calls = []
+    original = forwards.glu_linear
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(forwards, "glu_linear", counted)
+    monkeypatch.setattr(forwards, "_MLP_WARNED", set())
+    return calls
+
+
+def test_full_fine_tuning_matches_transformers_without_keeping_the_product(glu_linear_calls):
+    """A tiny Llama, one training step patched and unpatched: the same loss and gradients,
+    the MLP through glu_linear, whose forward keeps two [B, T, I] tensors (gate, up) against
+    transformers' four (gate, act(gate), up, h). (Several steps, every family:
+    test_transformers.py's parity tests, which count glu_linear too.)"""
+    model = _tiny_llama(num_hidden_layers=1)
+    theirs_model = copy.deepcopy(model)
+    ids = torch.randint(3, 128, (2, 8), device=DEVICE)
+    intermediate = torch.empty(*ids.shape, model.config.intermediate_size)
+    want, theirs = _saved(lambda: theirs_model(input_ids=ids, labels=ids).loss)
+    want.backward()
+    fusetune.apply(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, ours = _saved(lambda: model(input_ids=ids, labels=ids).loss)
+        got.backward()
+    assert glu_linear_calls == [1]
+    assert len(_product_sized(theirs, intermediate)) == 4
+    assert len(_product_sized(ours, intermediate)) == 2
+    assert_close("loss", got, want, tolerance(torch.float32))
+    for (name, p), q in zip(model.named_parameters(), theirs_model.parameters(), strict=True):
+        assert_close(f"grad {name}", p.grad, q.grad, tolerance(torch.float32))
+    fusetune.revert(model)
+
+
+def test_compiled_patched_mlp_does_not_keep_the_product(glu_linear_calls):
+    """torch.compile(fullgraph=True) of a patched MLP (aot_eager on the CPU) traces glu_linear
+    and its checks: the compiled forward keeps two [B, T, I] tensors too, and its gradients
+    are the eager ones. (The whole patched model compiled: test_transformers.py.)"""
+    model = fusetune.apply(_tiny_llama(num_hidden_layers=1))
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 8, model.config.hidden_size, device=DEVICE)
+    intermediate = torch.empty(2, 8, model.config.intermediate_size)
+    compiled_mlp = compiled(mlp, DEVICE)
+    y, saved = _saved(lambda: compiled_mlp(x))
+    assert glu_linear_calls, "glu_linear not traced"
+    assert len(_product_sized(saved, intermediate)) == 2, [tuple(t.shape) for t in saved]
+    y.square().sum().backward()
+    grads = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    mlp(x).square().sum().backward()
+    for p, grad in zip(mlp.parameters(), grads, strict=True):
+        assert_close("compiled grad", grad, p.grad, tolerance(torch.float32))
+    fusetune.revert(model)
+
+
+def _mlp_call(model, grad=True):
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, model.config.hidden_size, device=DEVICE)
+    with torch.set_grad_enabled(grad):
+        return mlp(x)
+
+
+def test_the_module_path_where_the_weight_does_not_train(glu_linear_calls):
+    """A frozen down_proj (LoRA, a frozen layer) or no grad mode (inference): down_proj is
+    called as before, silently (torch's linear keeps no product then either)."""
+    model = fusetune.apply(_tiny_llama(num_hidden_layers=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _mlp_call(model, grad=False)
+        model.model.layers[0].mlp.down_proj.requires_grad_(False)
+        _mlp_call(model)
+    assert glu_linear_calls == []
+    model.model.layers[0].mlp.down_proj.requires_grad_(True)
+    _mlp_call(model)
+    assert glu_linear_calls == [1]
+    fusetune.revert(model)
+
+
+@pytest.mark.parametrize("case", ["forward-hook", "pre-hook", "backward-hook", "zero3"])
+def test_the_module_path_with_hooks_warns_once(case, glu_linear_calls):
+    """A trained down_proj whose call matters (hooks; DeepSpeed ZeRO-3, whose partitioned
+    weight carries ds_id and is gathered by a pre-hook): called as before, one warning per
+    reason, the same output as the unpatched MLP."""
+    model = fusetune.apply(_tiny_llama(num_hidden_layers=1))
+    down = model.model.layers[0].mlp.down_proj
+    seen = []
+    if case == "forward-hook":
+        down.register_forward_hook(lambda module, args, out: seen.append(1))
+    elif case == "pre-hook":
+        down.register_forward_pre_hook(lambda module, args: seen.append(1))
+    elif case == "backward-hook":
+        down.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(1))
+    else:
+        down.weight.ds_id = 0
+    with pytest.warns(UserWarning, match="down_proj runs as its own module") as caught:
+        _mlp_call(model).sum().backward()
+    message = str(caught[0].message)
+    assert ("ZeRO-3" in message) == (case == "zero3") and len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        _mlp_call(model).sum().backward()
+    assert glu_linear_calls == []
+    assert len(seen) == (0 if case == "zero3" else 2)
+    fusetune.revert(model)
 
 
 # ----------------------------------------------------------------------------- GPU
