@@ -27,9 +27,8 @@ def _site(frames: list[dict]) -> str:
     for frame in python:
         name = frame["filename"]
         marker = next((m for m in TELLING if m in name), None)
-        if marker and "fusetune/bench/" not in name:
-            library = marker.split("/")[0]
-            return f"{library}/{name.split(library + '/', 1)[-1]}:{frame['line']} {frame['name']}"
+        if marker and "fusetune/bench/" not in name:  # from the library's folder on
+            return f"{name[name.rfind(marker) :]}:{frame['line']} {frame['name']}"
     for frame in python:
         if "fusetune/bench/" not in frame["filename"]:
             return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
@@ -75,8 +74,9 @@ def live_at_peak(step: Callable[[], None], device: torch.device, top: int = 14) 
     _, above, live, freed_before = _replay(trace, index)
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, frames in live.values():
-        sites[_site(frames)][0] += size
-        sites[_site(frames)][1] += 1
+        site = sites[_site(frames)]
+        site[0] += size
+        site[1] += 1
     gib = 2**30
     lines = [f"peak of one step: {(before + above) / gib:.2f} GiB allocated, "
              f"{above / gib:.2f} above its start; before the step {before / gib:.2f} GiB "
