@@ -115,7 +115,7 @@ def test_shapes_without_bias(rows):
     run(inputs, torch.float32)
 
 
-def _plain(gate, up, weight, bias, activation="silu"):
+def _plain(gate, up, weight, bias=None, activation="silu"):
     """What the patched MLP ran before: the fused GLU, then torch's linear."""
     if activation == "silu":
         return F.linear(fusetune.swiglu(gate, up), weight, bias)
