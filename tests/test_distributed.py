@@ -58,15 +58,18 @@ def train(model, steps, device, rank=0, world=1):
 
 
 LOSS_OP = "linear_cross_entropy"
+MLP_OP = "glu_linear"  # a trained down_proj: the GLU and the projection, the product not kept
 LORA_OPS = ("lora_linear_validated", "lora_qkv_validated", "lora_mlp_validated")
 
 
 @contextlib.contextmanager
 def counting_fused_calls():
-    """Counts, by name, the fused-loss calls of causal-LM forwards and the PEFT integration's
-    LoRA op calls made while open (a Counter)."""
+    """Counts, by name, the fused-loss calls of causal-LM forwards, the MLP forwards'
+    glu_linear calls (full fine-tuning) and the PEFT integration's LoRA op calls made while
+    open (a Counter)."""
     counts = collections.Counter()
-    targets = [(forwards, LOSS_OP)] + [(peft_integration, name) for name in LORA_OPS]
+    targets = [(forwards, LOSS_OP), (forwards, MLP_OP)]
+    targets += [(peft_integration, name) for name in LORA_OPS]
     originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
 
     def counted(name, function):
@@ -91,7 +94,8 @@ def leave() -> None:
 
 
 def call_counts(counts) -> dict:
-    return {"calls": counts[LOSS_OP], "lora_calls": {name: counts[name] for name in LORA_OPS}}
+    return {"calls": counts[LOSS_OP], "mlp_calls": counts[MLP_OP],
+            "lora_calls": {name: counts[name] for name in LORA_OPS}}  # fmt: skip
 
 
 def worker(rank: int, layout: str, reshard: bool, init_file: str, results: str) -> None:
@@ -115,7 +119,7 @@ def worker(rank: int, layout: str, reshard: bool, init_file: str, results: str) 
         losses = train(model, batches(model.config.vocab_size), device, rank, WORLD)
     params = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"losses": losses, "params": params, "calls": counts[LOSS_OP]}, results)
+        torch.save({"losses": losses, "params": params, **call_counts(counts)}, results)
     leave()
 
 
@@ -136,6 +140,8 @@ def test_fsdp2_matches_one_process(layout, reshard, tmp_path):
              nprocs=WORLD, join=True)  # fmt: skip
     got = torch.load(results)
     assert got["calls"] == STEPS, got["calls"]  # every step's loss is the fused one
+    # down_proj inside each fully_shard-ed layer: its unsharded weight, read by glu_linear
+    assert got["mlp_calls"] == 2 * STEPS, got["mlp_calls"]
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want), 1e-5)
     for name, param in want_model.named_parameters():
         assert_close(f"param {name}", got["params"][name], param.detach(), 1e-5)
@@ -280,7 +286,14 @@ def check_zero3_case(case: str, want: dict, got: dict) -> None:
         assert_close(f"{case} param {name}", got["params"][name], param, 1e-5)
     initial_model = variant_model(case)  # the same seeded model the ranks started from
     layers, steps = initial_model.config.num_hidden_layers, STEPS
-    assert got["warnings"] == [], got["warnings"]  # no fallback
+    # no fallback, but for full fine-tuning one warning: ZeRO-3 gathers down_proj's weight in
+    # its hooks, so the MLP's down projection is called as a module (torch's linear, keeping
+    # act(gate) * up) instead of fusetune.glu_linear (once per process: the first case)
+    mlp_warnings = [w for w in got["warnings"] if "down_proj runs as its own module" in w]
+    assert len(mlp_warnings) == (case == "untied"), got["warnings"]
+    assert all("ZeRO-3" in w for w in mlp_warnings), mlp_warnings
+    assert len(got["warnings"]) == len(mlp_warnings), got["warnings"]
+    assert got["mlp_calls"] == 0, got["mlp_calls"]
     if case.startswith("lora-all"):  # the groups read their neighbours' weights via ZeRO
         runs = 2 if case.endswith("-checkpointed") else 1  # + the recompute in the backward
         want_calls = {name: runs * layers * steps for name in LORA_OPS}
@@ -400,6 +413,8 @@ def test_fsdp2_variant_matches_one_process(case, variant_runs):
     want = train(want_model, batches(model.config.vocab_size), torch.device("cpu"))
     got = variant_runs[case]["fusetune"]
     assert got["calls"] == STEPS, got["calls"]
+    # full fine-tuning: glu_linear in both layers; LoRA: the frozen down_proj called as before
+    assert got["mlp_calls"] == (0 if case.startswith("lora") else 2 * STEPS), got["mlp_calls"]
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want), 1e-5)
     trained = 0
     for name, param in want_model.named_parameters():
@@ -428,6 +443,7 @@ def test_fsdp2_mixed_precision_matches_unpatched(variant_runs):
     rounding of transformers' own run under the same policy."""
     want, got = variant_runs["mixed"]["hf"], variant_runs["mixed"]["fusetune"]
     assert want["calls"] == 0 and got["calls"] == STEPS, (want["calls"], got["calls"])
+    assert got["mlp_calls"] == 2 * STEPS, got["mlp_calls"]
     assert_close("losses", torch.tensor(got["losses"]), torch.tensor(want["losses"]),
                  MIXED_LOSS_TOL)  # fmt: skip
     for name, param in want["params"].items():

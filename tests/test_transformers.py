@@ -162,6 +162,8 @@ def expected_calls(family: str, layers: int = LAYERS) -> dict[str, int]:
     calls = {"rms_norm": 2 * layers + 1, "rope": layers, "glu": layers, "linear_cross_entropy": 1,
              "rms_norm_gated": 0}  # fmt: skip
     calls = {**calls, **(CALLS.get(family, {}) if layers == LAYERS else {}), "add_rms_norm": 0}
+    # full fine-tuning: every gated MLP's product and down projection are one glu_linear
+    calls["glu_linear"] = calls["glu"]
     if family in FUSED_RESIDUAL:
         calls["rms_norm"] -= layers
         calls["add_rms_norm"] = layers
@@ -233,13 +235,17 @@ def counting(counts: dict[str, int], name: str, function):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts the fused ops the patched forwards call (they look them up at call time)."""
+    """Counts the fused ops the patched forwards call (they look them up at call time). "glu":
+    a gated MLP's fused product, alone (GLU_OPS) or with its down projection ("glu_linear",
+    counted under both names)."""
     names = ["rms_norm", "add_rms_norm", "rms_norm_gated", "rope", "linear_cross_entropy"]
-    counts = dict.fromkeys([*names, "glu"], 0)
+    counts = dict.fromkeys([*names, "glu", "glu_linear"], 0)
     for name in names:
         monkeypatch.setattr(forwards, name, counting(counts, name, getattr(forwards, name)))
     glu_ops = {kind: counting(counts, "glu", op) for kind, op in forwards.GLU_OPS.items()}
     monkeypatch.setattr(forwards, "GLU_OPS", glu_ops)
+    glu_linear = counting(counts, "glu_linear", counting(counts, "glu", forwards.glu_linear))
+    monkeypatch.setattr(forwards, "glu_linear", glu_linear)
     return counts
 
 
@@ -375,17 +381,19 @@ def test_gradient_checkpointing():
     fusetune.revert(model)
 
 
-def test_torch_compile_of_the_patched_model():
+def test_torch_compile_of_the_patched_model(fused_calls):
     """torch.compile(fullgraph=True) of the patched model (no graph break; aot_eager on the
     CPU: traces the fake kernels and the autograd registrations; Inductor on the GPU) trains
-    as the eager one does."""
+    as the eager one does, its MLP through glu_linear."""
     model = fusetune.apply(tiny_model("llama", num_hidden_layers=1))
     batches = make_batches(2)
     want = train(copy.deepcopy(model), batches)
+    assert fused_calls["glu_linear"] == len(batches)  # (eager)
     backend = "inductor" if ON_GPU else "aot_eager"
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     got = train(model, batches, compiled=compiled)
+    assert fused_calls["glu_linear"] > len(batches)  # traced (at least once)
     assert_same_training(got, want)
     fusetune.revert(model)
 

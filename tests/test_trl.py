@@ -142,7 +142,7 @@ def test_sft_trainer_matches_an_unpatched_run(kind, tmp_path, fused_calls, monke
         assert_close(f"logged {name}", got[0][name], want[0][name], FP32_LOSS_TOL, atol=1e-7)
     for name, update in want[1].items():
         assert_close(f"update of {name}", got[1][name], update, FP32_UPDATE_TOL)
-    mlp = "lora_mlp_validated" if kind == "lora" else "glu"
+    mlp = "lora_mlp_validated" if kind == "lora" else "glu_linear"  # full: glu + down_proj
     assert fused_calls["rms_norm"] and fused_calls["rope"] and fused_calls[mlp], fused_calls
     # one fused q/k/v per attention forward with LoRA: one layer, so as many as RoPE calls
     # (SFTConfig checkpoints by default: the backward's recompute calls both again)

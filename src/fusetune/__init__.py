@@ -16,6 +16,7 @@ from fusetune.integrations.transformers import apply, compile_layers, revert
 from fusetune.ops.activation import geglu, swiglu
 from fusetune.ops.causal_conv1d import causal_conv1d
 from fusetune.ops.cross_entropy import cross_entropy
+from fusetune.ops.glu_linear import glu_linear
 from fusetune.ops.grpo import grpo_loss, selective_log_softmax
 from fusetune.ops.linear_attention import gated_delta_rule, gated_slot_attention
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
@@ -42,6 +43,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_slot_attention",
     "geglu",
+    "glu_linear",
     "graph_train_step",
     "grpo_loss",
     "gsa",

@@ -40,6 +40,7 @@ CASE_MODULES: dict[str, str] = {
     "e2e": "fusetune.bench.cases_e2e",
     "gated_delta_rule": "fusetune.bench.cases_gated_delta_rule",
     "gated_slot_attention": "fusetune.bench.cases_gsa",
+    "glu_linear": "fusetune.bench.cases_glu_linear",
     "grpo": "fusetune.bench.cases_grpo",
     "linear_cross_entropy": "fusetune.bench.cases_linear_cross_entropy",
     "log_probs": "fusetune.bench.cases_grpo",

@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from fusetune.ops.activation import geglu, swiglu
+from fusetune.ops.glu_linear import glu_linear
 from fusetune.ops.linear_cross_entropy import linear_cross_entropy
 from fusetune.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_gated
 from fusetune.ops.rope import rope
@@ -300,10 +301,17 @@ def activation_module(family: Family, mlp: torch.nn.Module) -> torch.nn.Module |
     return getattr(mlp, "activation_fn" if family.fused_gate_up else "act_fn", None)
 
 
+# the fused GLU -> fusetune.glu_linear's activation name
+GLU_LINEAR_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+
+
 def mlp_forward(family: Family, original: Callable) -> Callable:
     """A gated MLP's forward, ``down(act(gate(x)) * up(x))``, with the activation and the
     product fused (swiglu / geglu); an activation without a fused op goes to ``original``.
-    With a fused ``gate_up_proj`` (Phi-3, GLM) the gate and up are its output's two halves."""
+    With a fused ``gate_up_proj`` (Phi-3, GLM) the gate and up are its output's two halves.
+    Where the down projection's weight trains (:func:`trained_down_projection`), the product
+    and the down projection are one :func:`fusetune.glu_linear`, which does not keep the
+    product for the weight gradient (torch's linear would)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         glu = glu_of(family, self)
@@ -313,9 +321,58 @@ def mlp_forward(family: Family, original: Callable) -> Callable:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        down = trained_down_projection(self)
+        if down is not None:
+            activation = GLU_LINEAR_ACTIVATIONS[glu]
+            return glu_linear(gate, up, down.weight, down.bias, activation=activation)
         return self.down_proj(GLU_OPS[glu](gate, up))
 
     return forward
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
+_MLP_WARNED: set[str] = set()  # the reasons warned about (once per process each)
+
+
+def trained_down_projection(mlp: torch.nn.Module) -> torch.nn.Linear | None:
+    """``mlp.down_proj`` when :func:`fusetune.glu_linear` may read its parameters outside its
+    call: a plain nn.Linear whose weight requires grad, with grad mode on, no hooks and no
+    forward of its own. None (the module is called as before) where the weight does not train
+    (LoRA, inference: torch's linear keeps nothing then) or the module is another class (a
+    PEFT or quantised layer, FSDP2's ``fully_shard`` of the projection alone); also None, with
+    one warning per reason, for a trained nn.Linear that hooks or an engine must see called
+    (user hooks, DeepSpeed ZeRO-3's gathering, accelerate). A layer sharded by FSDP2 as a
+    whole (per decoder layer) has its projections' unsharded parameters in place from its
+    forward to its backward: that is the usual full fine-tuning case, served."""
+    down = getattr(mlp, "down_proj", None)
+    weight = getattr(down, "weight", None)
+    if not (isinstance(weight, torch.Tensor) and weight.requires_grad and torch.is_grad_enabled()):
+        return None
+    if type(down) is not torch.nn.Linear:
+        return None
+    reason = None
+    if hasattr(weight, "ds_id"):
+        reason = "its weight is partitioned by DeepSpeed ZeRO-3 (gathered by the module's hooks)"
+    elif any(getattr(down, name) for name in _HOOKS):
+        reason = "it has forward or backward hooks"
+    elif any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS):
+        reason = "global module hooks are registered (torch.nn.modules.module)"
+    elif "forward" in down.__dict__ or hasattr(down, "_hf_hook"):
+        reason = "it has a forward of its own (an accelerate hook or a wrapper)"
+    elif type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        reason = f"its weight is a {type(weight).__name__}, not a plain tensor"
+    if reason is None:
+        return down
+    if not torch.compiler.is_compiling() and reason not in _MLP_WARNED:
+        _MLP_WARNED.add(reason)
+        warnings.warn(
+            f"fusetune: {type(mlp).__name__}.down_proj runs as its own module, keeping "
+            f"act(gate) * up for its weight gradient (fusetune.glu_linear would recompute it "
+            f"instead): {reason}",
+            stacklevel=3,
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -19,7 +19,11 @@ What is routed, per family (``SUPPORTED_FAMILIES``; transformers 5.x):
   it for the whole family while any patched model (or a class-level patch) of that family is
   alive; the fused function computes the same rotation (in fp32, rounded once).
 - ``mlp``: the gated MLP -> :func:`fusetune.swiglu` / :func:`fusetune.geglu` (Gemma 2's
-  gelu_pytorch_tanh is geglu "tanh"); other activations keep transformers' forward.
+  gelu_pytorch_tanh is geglu "tanh"); other activations keep transformers' forward. Where
+  down_proj is a plain nn.Linear whose weight trains (full fine-tuning), the product and the
+  down projection are one :func:`fusetune.glu_linear` (the product is not kept for the
+  backward); a trained down_proj with hooks (ZeRO-3's included) is called as a module, with
+  one warning.
 - ``linear_cross_entropy``: ``XForCausalLM.forward`` with labels in training computes the loss
   with :func:`fusetune.linear_cross_entropy` from the final hidden states, with the model's own
   settings (Gemma final_logit_softcapping, Cohere logit_scale, Granite logits_scaling, a

@@ -6,6 +6,7 @@ from fusetune.reference.activation import geglu, swiglu
 from fusetune.reference.causal_conv1d import causal_conv1d
 from fusetune.reference.cross_entropy import cross_entropy
 from fusetune.reference.gated_delta_rule import gated_delta_rule
+from fusetune.reference.glu_linear import glu_linear
 from fusetune.reference.grpo import grpo_loss, selective_log_softmax
 from fusetune.reference.gsa import gated_slot_attention
 from fusetune.reference.linear_cross_entropy import linear_cross_entropy
@@ -21,6 +22,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_slot_attention",
     "geglu",
+    "glu_linear",
     "grpo_loss",
     "linear_cross_entropy",
     "moe_mlp",
