@@ -36,6 +36,16 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
+    # (again since the bf16 products, 2026-11-27 sixteenth: W's tile is half the shared memory
+    # it was when 2 stages lost; the loop's loads of the next chunk do not depend on the state)
+    "states / dstates 2 stages": {
+        "states_kernel": dict(num_stages=2),
+        "dstates_kernel": dict(num_stages=2),
+    },
+    "states / dstates 3 stages": {
+        "states_kernel": dict(num_stages=3),
+        "dstates_kernel": dict(num_stages=3),
+    },
     # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now; and dS's
     # alone in fp32 (dstates_kernel's bf16 store spilled more offline: 192 -> 520 B)
     "fp32 state copies": {"state_dtype": lambda dtype, dot, gradient=False: torch.float32},

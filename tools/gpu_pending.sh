@@ -47,6 +47,10 @@
 #     work-around (the transposed bf16 products); rerun after any change to states / dstates.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
+#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~3 minutes): GPU time per kernel,
+#     fusetune beside FLA (tools/gdr_kernel_profile.py) at both bench shapes, then the sweep's
+#     launcher / 2-stage / 3-stage rows for states / dstates (the next GDR step after 2026-11-27
+#     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -100,6 +104,23 @@ fi
 if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate fix
   PYTHONPATH=src:tests:tools timeout 420 python3 tools/gdr_fault_probe.py matrix --repeats 5 \
     2>&1 | tee "$OUT/gdr-fault-probe.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:tests:tools:/tmp/site
+  for shape in "1 32768" "4 4096"; do
+    set -- $shape
+    timeout 100 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
+      | tee "$OUT/gdr-profile-b$1-t$2.log"
+  done
+  for shape in "1 32768" "4 4096"; do
+    set -- $shape
+    timeout 100 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" \
+      --only "launcher's settings" --only "states / dstates 2 stages" \
+      --only "states / dstates 3 stages" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
+  done
   echo "done in $SECONDS s"
   exit 0
 fi
