@@ -42,6 +42,15 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "states_kernel": dict(num_stages=2),
         "dstates_kernel": dict(num_stages=2),
     },
+    # the sequential kernels carrying the state transposed (states_t_kernel, dstates_t_kernel;
+    # branch gdr-state-t): offline (sm_90, Triton 3.9, 8 warps) fewer barriers in the loops
+    # (states 27 -> 23, dstates 37 -> 32) and no spill in dstates (48 -> 0 B)
+    "state transposed (vk)": {"env": {"FUSETUNE_GDR_SEQ": "vk"}},
+    "state transposed (vk), 2 stages": {
+        "env": {"FUSETUNE_GDR_SEQ": "vk"},
+        "states_t_kernel": dict(num_stages=2),
+        "dstates_t_kernel": dict(num_stages=2),
+    },
     "states / dstates 3 stages": {
         "states_kernel": dict(num_stages=3),
         "dstates_kernel": dict(num_stages=3),

@@ -50,7 +50,8 @@
 #   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~3 minutes): GPU time per kernel,
 #     fusetune beside FLA (tools/gdr_kernel_profile.py) at both bench shapes, then the sweep's
 #     launcher / 2-stage / 3-stage rows for states / dstates (the next GDR step after 2026-11-27
-#     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4).
+#     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4); on branch
+#     gdr-state-t also the transposed-state rows (run gdr-probe first there: its vk case).
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -119,7 +120,8 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
     set -- $shape
     timeout 100 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" \
       --only "launcher's settings" --only "states / dstates 2 stages" \
-      --only "states / dstates 3 stages" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
+      --only "states / dstates 3 stages" --only "state transposed (vk)" \
+      --only "state transposed (vk), 2 stages" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
   done
   echo "done in $SECONDS s"
   exit 0

@@ -143,6 +143,7 @@ class _ChunkRun:
         few = self.column_grid[0] * self.column_grid[1] < _utils.num_programs_in_flight(device)
         self.states_launch = self.wide if few else self.common
         self.sequential = dict(SEQ_BF16=seq_bf16)  # states_ and dstates_kernel
+        self.transposed = gdr_chunk.transposed_state()  # (their S^T forms: an experiment)
 
     def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
                scale=1.0) -> None:
@@ -157,7 +158,8 @@ class _ChunkRun:
             plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
             **self.per_chunk,
         )
-        gdr_chunk.states_kernel[self.column_grid](
+        states = gdr_chunk.states_t_kernel if self.transposed else gdr_chunk.states_kernel
+        states[self.column_grid](
             k, self.gc_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
@@ -199,7 +201,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
     run.states(plan, k, v, g, beta, h0, None, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
     dh_buf = _utils.empty(run.state_shape, run.grad_dtype, device)
-    gdr_chunk.dstates_kernel[run.column_grid](
+    dstates = gdr_chunk.dstates_t_kernel if run.transposed else gdr_chunk.dstates_kernel
+    dstates[run.column_grid](
         q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
         plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
