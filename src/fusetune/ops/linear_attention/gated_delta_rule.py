@@ -101,6 +101,11 @@ class _ChunkRun:
         self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
         self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
+        # the sequential kernels' per-token and per-chunk factors (wy_kernel's): a key's decay
+        # to its chunk's end times 1 / ||k||, scale e^G / ||q|| (backward), e^G_last a chunk
+        self.kd_buf = _utils.empty(rows, f32, device)
+        self.qd_buf = _utils.empty(rows if backward else (0,), f32, device)
+        self.decay_buf = _utils.empty((slots, plan.value_heads), f32, device)
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         dot = gdr_chunk.dot_mode(v.dtype, _utils.shared_memory_per_block(device))
         # W = T (beta e^G K), bf16 for bf16 inputs, where the sequential kernels' products are
@@ -153,14 +158,15 @@ class _ChunkRun:
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
         gdr_chunk.wy_kernel[self.chunk_grid](
             q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.d_buf,
-            dd_buf if local else self.d_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
+            dd_buf if local else self.d_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
+            self.decay_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
             *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
             plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
             **self.per_chunk,
         )
         states = gdr_chunk.states_t_kernel if self.transposed else gdr_chunk.states_kernel
         states[self.column_grid](
-            k, self.gc_buf, self.w_buf, self.d_buf, self.h_buf,
+            k, self.kd_buf, self.decay_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
             HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
@@ -203,7 +209,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     dh_buf = _utils.empty(run.state_shape, run.grad_dtype, device)
     dstates = gdr_chunk.dstates_t_kernel if run.transposed else gdr_chunk.dstates_kernel
     dstates[run.column_grid](
-        q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
+        q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
+        dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
         plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
         **run.sequential, **run.wide,

@@ -444,7 +444,7 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def wy_kernel(
-    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, cu,
+    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, kd_buf, qd_buf, decay_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
@@ -457,7 +457,10 @@ def wy_kernel(
     into D = U - W S0 in place); for the backward (LOCAL_DD) also T [T, HV, BT] and dD's local
     part P^T dO into dd_buf (dstates_kernel adds the state's). So the sequential kernels do only
     the products that carry the state: two a chunk forward, three backward, where they formed
-    W, U and P per block of value columns."""
+    W, U and P per block of value columns. Their per-token factors come from here too (no
+    gate sums, key norms or exp in their loops): kd_buf [T, HV] = exp(g_{t+1} + ... + g_last)
+    rk_t (a key's decay to the chunk's end), decay_buf [slot, HV] = exp(G_last), and for the
+    backward qd_buf [T, HV] = scale rq_t exp(G_t)."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -485,7 +488,10 @@ def wy_kernel(
     tl.store(gc_buf + out_rows, gq, mask=mt)
     if LOCAL_DD:  # only bwd_chunk_kernel reads T again
         tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
-    gc, _ = gate_sums(gq)
+    gc, total = gate_sums(gq)
+    tl.store(kd_buf + out_rows, tl.where(mt, tl.exp(_tail(gq, r)), 0.0) * rk, mask=mt)
+    slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
+    tl.store(decay_buf + slot * HV + i_h, tl.exp(total))
     Wc = mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)  # K stays an input tile
     if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
         Wc = to_bf16(Wc)
@@ -495,7 +501,9 @@ def wy_kernel(
         q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
                        mask=mtk, other=0.0)
         P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma)
-        Pt = tl.trans(P * (inv_norms(q_in, BT, L2NORM)[:, None] * rk[None, :]))
+        rq = inv_norms(q_in, BT, L2NORM)
+        Pt = tl.trans(P * (rq[:, None] * rk[None, :]))
+        tl.store(qd_buf + out_rows, scale * rq * tl.exp(gc), mask=mt)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mtv = mt[:, None] & (cv < V)[None, :]
@@ -511,7 +519,7 @@ def wy_kernel(
 
 @triton.jit
 def states_kernel(
-    k, gc_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
+    k, kd_buf, decay_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
@@ -543,17 +551,15 @@ def states_kernel(
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile,
                  S.to(h_buf.dtype.element_ty), mask=mkv)
-        gq, _, g_last = _load_gates(gc_buf, buf_rows, mt)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
-        rk = inv_norms(k_in, BT, L2NORM)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
         Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm_state(  # U - W S0
             Wc, S, SEQ_BF16 >= 1, DOT)
         tl.store(d_rows, Dc, mask=mtv)
-        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
-        S = S * tl.exp(g_last) + mm_state(tl.trans(k_in), (to_end * rk)[:, None] * Dc,
-                                          SEQ_BF16 >= 2, DOT)
+        S = S * decay + mm_state(tl.trans(k_in), kd[:, None] * Dc, SEQ_BF16 >= 2, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
@@ -606,7 +612,7 @@ def output_kernel(
 
 @triton.jit
 def dstates_kernel(
-    q, k, do, gc_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
+    q, k, do, kd_buf, qd_buf, decay_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
@@ -649,15 +655,15 @@ def dstates_kernel(
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
         dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mtv, other=0.0)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
-        gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-        rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
-        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        qd = tl.load(qd_buf + buf_rows, mask=mt, other=0.0)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
-        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + (to_end * rk)[:, None] * mm_state(
+        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + kd[:, None] * mm_state(
             k_in, dS, SEQ_BF16 >= 2, DOT)
         tl.store(dd_rows, dDc, mask=mtv)
-        dOe = (scale * rq * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
-        dS = (dS * tl.exp(g_last) + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
+        dOe = qd[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
+        dS = (dS * decay + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
               - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
@@ -684,7 +690,7 @@ def mm_seq(a, b, BF16: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def states_t_kernel(
-    k, gc_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
+    k, kd_buf, decay_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
@@ -711,25 +717,24 @@ def states_t_kernel(
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile,
                  St.to(h_buf.dtype.element_ty), mask=mvk)
-        gq, _, g_last = _load_gates(gc_buf, buf_rows, mt)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
                        other=0.0)
-        rk = inv_norms(k_in, BT, L2NORM)
         Wt = tl.load(w_buf + buf_rows[None, :] * K + ck[:, None], mask=mk[:, None] & mt[None, :],
                      other=0.0)  # W^T [BK, BT]
         d_cols = d_buf + buf_rows[None, :] * V + cv[:, None]  # D^T [BV, BT]
         mvt = mv[:, None] & mt[None, :]
         Dt = tl.load(d_cols, mask=mvt, other=0.0) - mm_seq(St, Wt, SEQ_BF16 >= 1, DOT)
         tl.store(d_cols, Dt, mask=mvt)
-        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
-        St = St * tl.exp(g_last) + mm_seq(Dt * (to_end * rk)[None, :], k_in, SEQ_BF16 >= 2, DOT)
+        St = St * decay + mm_seq(Dt * kd[None, :], k_in, SEQ_BF16 >= 2, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, St, mask=mvk)
 
 
 @triton.jit
 def dstates_t_kernel(
-    q, k, do, gc_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
+    q, k, do, kd_buf, qd_buf, decay_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
@@ -769,15 +774,15 @@ def dstates_t_kernel(
                      other=0.0)  # k^T [BK, BT]
         dOt = tl.load(do + rows[None, :] * sd_t + cv[:, None], mask=mvt, other=0.0)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
-        gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-        rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(tl.trans(kt), BT, L2NORM)
-        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        qd = tl.load(qd_buf + buf_rows, mask=mt, other=0.0)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         dd_cols = dd_buf + buf_rows[None, :] * V + cv[:, None]
         dDt = tl.load(dd_cols, mask=mvt, other=0.0) + mm_seq(
-            dSt, kt, SEQ_BF16 >= 2, DOT) * (to_end * rk)[None, :]
+            dSt, kt, SEQ_BF16 >= 2, DOT) * kd[None, :]
         tl.store(dd_cols, dDt, mask=mvt)
-        dOet = dOt.to(tl.float32) * (scale * rq * tl.exp(gc))[None, :]
-        dSt = (dSt * tl.exp(g_last) + mm_seq(dOet, q_in, SEQ_BF16 >= 2, DOT)
+        dOet = dOt.to(tl.float32) * qd[None, :]
+        dSt = (dSt * decay + mm_seq(dOet, q_in, SEQ_BF16 >= 2, DOT)
                - mm_seq(dDt, Wc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dSt, mask=mvk)
 
