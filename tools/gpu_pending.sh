@@ -51,7 +51,11 @@
 #     fusetune beside FLA (tools/gdr_kernel_profile.py) at both bench shapes, then the sweep's
 #     launcher / 2-stage / 3-stage rows for states / dstates (the next GDR step after 2026-11-27
 #     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4); on branch
-#     gdr-state-t also the transposed-state rows (run gdr-probe first there: its vk case).
+#     gdr-state-t also the transposed-state rows and 4-warp rows, and main's kernels first when
+#     .main_src is carried (`git archive main src | tar -x -C .main_src`).
+#   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): on gdr-state-t, FIRST:
+#     the GDR GPU tests and the fault probe (its vk case) for the branch's kernels (wy_kernel's
+#     per-token factors, the transposed-state kernels), none of which has run on a GPU.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -108,9 +112,26 @@ if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate 
   echo "done in $SECONDS s"
   exit 0
 fi
+if [ "${1:-}" = gdr-branch ]; then  # gdr-state-t's first call: its kernels' tests and probe
+  export PYTHONPATH=src:tests:tools
+  timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
+    2>&1 | tail -4 | tee "$OUT/gdr-tests.log"
+  timeout 200 python3 tools/gdr_fault_probe.py matrix --repeats 3 --shapes b4t4096 b1t32768 \
+    2>&1 | tee "$OUT/gdr-fault-probe.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
 if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
   bash tools/install_carried.sh .peers >/dev/null 2>&1
   export PYTHONPATH=src:tests:tools:/tmp/site
+  if [ -d .main_src/src ]; then  # main's kernels in the same call (carry .main_src: git archive)
+    for shape in "1 32768" "4 4096"; do
+      set -- $shape
+      PYTHONPATH=.main_src/src:tests:tools timeout 60 python3 tools/gdr_launch_sweep.py \
+        --batch "$1" --seq-len "$2" --only "launcher's settings" 2>&1 \
+        | sed "s/launcher's settings/main's kernels     /" | tee "$OUT/gdr-main-b$1-t$2.log"
+    done
+  fi
   for shape in "1 32768" "4 4096"; do
     set -- $shape
     timeout 100 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
@@ -121,7 +142,8 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
     timeout 100 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" \
       --only "launcher's settings" --only "states / dstates 2 stages" \
       --only "states / dstates 3 stages" --only "state transposed (vk)" \
-      --only "state transposed (vk), 2 stages" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
+      --only "state transposed (vk), 2 stages" --only "states 4 warps" \
+      --only "dstates 4 warps" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
   done
   echo "done in $SECONDS s"
   exit 0
