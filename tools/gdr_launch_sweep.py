@@ -51,6 +51,10 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "states_t_kernel": dict(num_stages=2),
         "dstates_t_kernel": dict(num_stages=2),
     },
+    # the backward's states recompute on a side stream beside dstates (branch gdr-state-t; the
+    # launcher's auto: beside where both launches fit the SMs at once, i.e. at B1 T32768)
+    "backward states apart": {"env": {"FUSETUNE_GDR_BWD_SEQ": "apart"}},
+    "backward states beside": {"env": {"FUSETUNE_GDR_BWD_SEQ": "beside"}},
     "states / dstates 3 stages": {
         "states_kernel": dict(num_stages=3),
         "dstates_kernel": dict(num_stages=3),

@@ -143,7 +143,8 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
       --only "launcher's settings" --only "states / dstates 2 stages" \
       --only "states / dstates 3 stages" --only "state transposed (vk)" \
       --only "state transposed (vk), 2 stages" --only "states 4 warps" \
-      --only "dstates 4 warps" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
+      --only "dstates 4 warps" --only "backward states apart" --only "backward states beside" \
+      2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
   done
   echo "done in $SECONDS s"
   exit 0

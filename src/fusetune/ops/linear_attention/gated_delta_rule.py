@@ -16,6 +16,8 @@ lost 2.6e-4 relative on dg and 1.7e-2 on dt_bias's gradient, 6x transformers' ow
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fusetune import _utils
@@ -150,10 +152,15 @@ class _ChunkRun:
         self.sequential = dict(SEQ_BF16=seq_bf16)  # states_ and dstates_kernel
         self.transposed = gdr_chunk.transposed_state()  # (their S^T forms: an experiment)
 
-    def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
-               scale=1.0) -> None:
-        """Per chunk T = (I + A)^-1, g, W and U (and with ``do``, dD's local part P^T dO into
-        ``dd_buf``); then every chunk's start state and writes D (and hT)."""
+    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
+        """The forward's: per chunk T = (I + A)^-1, g, W and U; then every chunk's start state
+        and writes D (and hT)."""
+        self.wy(plan, k, v, g, beta, cu_arg)
+        self.sequential_states(plan, k, h0, hT, cu_arg)
+
+    def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0) -> None:
+        """Per chunk T = (I + A)^-1, g, W, U and the sequential kernels' factors (and with
+        ``do``, dD's local part P^T dO into ``dd_buf``)."""
         local = do is not None
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
         gdr_chunk.wy_kernel[self.chunk_grid](
@@ -164,6 +171,9 @@ class _ChunkRun:
             plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
             **self.per_chunk,
         )
+
+    def sequential_states(self, plan, k, h0, hT, cu_arg) -> None:
+        """Every chunk's start state into h_buf and its writes D over U (and hT)."""
         states = gdr_chunk.states_t_kernel if self.transposed else gdr_chunk.states_kernel
         states[self.column_grid](
             k, self.kd_buf, self.decay_buf, self.w_buf, self.d_buf, self.h_buf,
@@ -205,8 +215,18 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     run = _ChunkRun(plan, v, l2norm, backward=True)
     cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
-    run.states(plan, k, v, g, beta, h0, None, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
+    run.wy(plan, k, v, g, beta, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
     dh_buf = _utils.empty(run.state_shape, run.grad_dtype, device)
+    # The states' recompute and dstates read only wy_kernel's outputs and the inputs (dstates
+    # never reads a state): where both launches' programs fit the GPU at once, the recompute
+    # runs on a side stream beside dstates (gdr_chunk.backward_side_stream).
+    side = gdr_chunk.backward_side_stream(device, 2 * math.prod(run.column_grid))
+    if side is None:
+        run.sequential_states(plan, k, h0, None, cu_arg)
+    else:
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run.sequential_states(plan, k, h0, None, cu_arg)
     dstates = gdr_chunk.dstates_t_kernel if run.transposed else gdr_chunk.dstates_kernel
     dstates[run.column_grid](
         q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
@@ -215,6 +235,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
         **run.sequential, **run.wide,
     )
+    if side is not None:  # (before any buffer the side stream reads is freed)
+        torch.cuda.current_stream(device).wait_stream(side)
     run.w_buf = None  # freed before the gradients' buffers are allocated: no peak holds both
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])

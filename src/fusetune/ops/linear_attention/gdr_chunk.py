@@ -33,7 +33,7 @@ import os
 import torch
 
 from fusetune._triton import INTERPRET, tl, triton
-from fusetune._utils import next_power_of_2
+from fusetune._utils import next_power_of_2, num_programs_in_flight
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
 UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
@@ -195,6 +195,30 @@ def transposed_state() -> bool:
     if layout not in ("kv", "vk"):
         raise ValueError(f"FUSETUNE_GDR_SEQ must be 'kv' or 'vk', got {layout!r}")
     return layout == "vk"
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def backward_side_stream(device: torch.device, programs: int) -> torch.cuda.Stream | None:
+    """The CUDA stream the backward's states recompute runs on beside dstates_kernel, or None
+    (one stream, one after the other): ``FUSETUNE_GDR_BWD_SEQ`` (read at every call) ``beside``
+    / ``apart``, or ``auto`` (the default): beside where the two launches' ``programs`` fit the
+    SMs at once (B1 T32768 H16 V128: 64 + 64 for 132 on an H100, where each alone leaves half
+    the GPU idle); apart off CUDA."""
+    mode = os.environ.get("FUSETUNE_GDR_BWD_SEQ", "auto")
+    if mode not in ("auto", "beside", "apart"):
+        raise ValueError(
+            f"FUSETUNE_GDR_BWD_SEQ must be 'auto', 'beside' or 'apart', got {mode!r}"
+        )
+    if device.type != "cuda" or mode == "apart":
+        return None
+    if mode == "auto" and programs > num_programs_in_flight(device):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def w_dtype(level: int) -> torch.dtype:
