@@ -47,12 +47,14 @@
 #     work-around (the transposed bf16 products); rerun after any change to states / dstates.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
-#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~3 minutes): GPU time per kernel,
-#     fusetune beside FLA (tools/gdr_kernel_profile.py) at both bench shapes, then the sweep's
-#     launcher / 2-stage / 3-stage rows for states / dstates (the next GDR step after 2026-11-27
+#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~6 minutes a shape; SHAPE="4 4096"
+#     for the other, default "1 32768"): GPU time per kernel, fusetune beside FLA
+#     (tools/gdr_kernel_profile.py), then the sweep's launcher / 2-stage / 3-stage / 4-warp rows
+#     for states / dstates (the next GDR step after 2026-11-27
 #     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4); on branch
-#     gdr-state-t also the transposed-state rows and 4-warp rows, and main's kernels first when
-#     .main_src is carried (`git archive main src | tar -x -C .main_src`).
+#     gdr-state-t also its transposed-state and side-stream rows; main's kernels first when
+#     .main_src is carried (`mkdir .main_src && git archive main src | tar -x -C .main_src`,
+#     .main_src/ in .git/info/exclude).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): on gdr-state-t, FIRST:
 #     the GDR GPU tests and the fault probe (its vk case) for the branch's kernels (wy_kernel's
 #     per-token factors, the transposed-state kernels), none of which has run on a GPU.
@@ -121,31 +123,27 @@ if [ "${1:-}" = gdr-branch ]; then  # gdr-state-t's first call: its kernels' tes
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
+if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours, at one shape
   bash tools/install_carried.sh .peers >/dev/null 2>&1
   export PYTHONPATH=src:tests:tools:/tmp/site
+  set -- ${SHAPE:-1 32768}
   if [ -d .main_src/src ]; then  # main's kernels in the same call (carry .main_src: git archive)
-    for shape in "1 32768" "4 4096"; do
-      set -- $shape
-      PYTHONPATH=.main_src/src:tests:tools timeout 60 python3 tools/gdr_launch_sweep.py \
-        --batch "$1" --seq-len "$2" --only "launcher's settings" 2>&1 \
-        | sed "s/launcher's settings/main's kernels     /" | tee "$OUT/gdr-main-b$1-t$2.log"
-    done
+    PYTHONPATH=.main_src/src:tests:tools timeout 60 python3 tools/gdr_launch_sweep.py \
+      --batch "$1" --seq-len "$2" --only "launcher's settings" 2>&1 \
+      | sed "s/launcher's settings/main's kernels     /" | tee "$OUT/gdr-main-b$1-t$2.log"
   fi
-  for shape in "1 32768" "4 4096"; do
-    set -- $shape
-    timeout 100 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
-      | tee "$OUT/gdr-profile-b$1-t$2.log"
-  done
-  for shape in "1 32768" "4 4096"; do
-    set -- $shape
-    timeout 100 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" \
-      --only "launcher's settings" --only "states / dstates 2 stages" \
-      --only "states / dstates 3 stages" --only "state transposed (vk)" \
-      --only "state transposed (vk), 2 stages" --only "states 4 warps" \
-      --only "dstates 4 warps" --only "backward states apart" --only "backward states beside" \
-      2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
-  done
+  timeout 100 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
+    | tee "$OUT/gdr-profile-b$1-t$2.log"
+  rows=("launcher's settings" "states / dstates 2 stages" "states / dstates 3 stages"
+        "states 4 warps" "dstates 4 warps")
+  if grep -q "backward states apart" tools/gdr_launch_sweep.py; then  # (gdr-state-t's rows)
+    rows+=("state transposed (vk)" "state transposed (vk), 2 stages" "backward states apart"
+           "backward states beside")
+  fi
+  only=()
+  for row in "${rows[@]}"; do only+=(--only "$row"); done
+  timeout 240 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" "${only[@]}" 2>&1 \
+    | tee "$OUT/gdr-sweep-b$1-t$2.log"
   echo "done in $SECONDS s"
   exit 0
 fi
