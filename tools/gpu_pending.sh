@@ -47,10 +47,17 @@
 #     work-around (the transposed bf16 products); rerun after any change to states / dstates.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
-#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~3 minutes): GPU time per kernel,
-#     fusetune beside FLA (tools/gdr_kernel_profile.py) at both bench shapes, then the sweep's
-#     launcher / 2-stage / 3-stage rows for states / dstates (the next GDR step after 2026-11-27
-#     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4).
+#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~6 minutes a shape; SHAPE="4 4096"
+#     for the other, default "1 32768"): GPU time per kernel, fusetune beside FLA
+#     (tools/gdr_kernel_profile.py), then the sweep's launcher / 2-stage / 3-stage / 4-warp rows
+#     for states / dstates (the next GDR step after 2026-11-27
+#     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4); on branch
+#     gdr-state-t also its transposed-state and side-stream rows; main's kernels first when
+#     .main_src is carried (`mkdir .main_src && git archive main src | tar -x -C .main_src`,
+#     .main_src/ in .git/info/exclude).
+#   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): on gdr-state-t, FIRST:
+#     the GDR GPU tests and the fault probe (its vk case) for the branch's kernels (wy_kernel's
+#     per-token factors, the transposed-state kernels), none of which has run on a GPU.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -107,20 +114,36 @@ if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate 
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours
+if [ "${1:-}" = gdr-branch ]; then  # gdr-state-t's first call: its kernels' tests and probe
+  export PYTHONPATH=src:tests:tools
+  timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
+    2>&1 | tail -4 | tee "$OUT/gdr-tests.log"
+  timeout 200 python3 tools/gdr_fault_probe.py matrix --repeats 3 --shapes b4t4096 b1t32768 \
+    2>&1 | tee "$OUT/gdr-fault-probe.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours, at one shape
   bash tools/install_carried.sh .peers >/dev/null 2>&1
   export PYTHONPATH=src:tests:tools:/tmp/site
-  for shape in "1 32768" "4 4096"; do
-    set -- $shape
-    timeout 100 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
-      | tee "$OUT/gdr-profile-b$1-t$2.log"
-  done
-  for shape in "1 32768" "4 4096"; do
-    set -- $shape
-    timeout 100 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" \
-      --only "launcher's settings" --only "states / dstates 2 stages" \
-      --only "states / dstates 3 stages" 2>&1 | tee "$OUT/gdr-stages-b$1-t$2.log"
-  done
+  set -- ${SHAPE:-1 32768}
+  if [ -d .main_src/src ]; then  # main's kernels in the same call (carry .main_src: git archive)
+    PYTHONPATH=.main_src/src:tests:tools timeout 60 python3 tools/gdr_launch_sweep.py \
+      --batch "$1" --seq-len "$2" --only "launcher's settings" 2>&1 \
+      | sed "s/launcher's settings/main's kernels     /" | tee "$OUT/gdr-main-b$1-t$2.log"
+  fi
+  timeout 100 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
+    | tee "$OUT/gdr-profile-b$1-t$2.log"
+  rows=("launcher's settings" "states / dstates 2 stages" "states / dstates 3 stages"
+        "states 4 warps" "dstates 4 warps")
+  if grep -q "backward states apart" tools/gdr_launch_sweep.py; then  # (gdr-state-t's rows)
+    rows+=("state transposed (vk)" "state transposed (vk), 2 stages" "backward states apart"
+           "backward states beside")
+  fi
+  only=()
+  for row in "${rows[@]}"; do only+=(--only "$row"); done
+  timeout 240 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" "${only[@]}" 2>&1 \
+    | tee "$OUT/gdr-sweep-b$1-t$2.log"
   echo "done in $SECONDS s"
   exit 0
 fi
