@@ -608,7 +608,7 @@ def _family_row(family: Family) -> list[str]:
         rope += ", one tensor per call"
     mlp = "gate_up_proj" if family.fused_gate_up else "gate_proj, up_proj"
     if family.part("MLP") is None:
-        mlp = "experts only: transformers'"
+        mlp = "none (its experts: below)"
     loss = [
         option
         for option, name in (
