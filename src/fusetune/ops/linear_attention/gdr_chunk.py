@@ -7,10 +7,11 @@ log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
     D = U - W S0
     O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma, t >= s) D]
     S_end = exp(G_last) S0 + (exp(G_last - G) K)^T D
-Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, kept),
-``states_kernel`` (per sequence, value head and block of value columns, sequential over chunks:
-every chunk's S0 and D from W and U, the final state), ``output_kernel`` (per chunk and block of
-value columns: O). Backward: below.
+Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, kept, and the
+per-token factors the sequential kernels scale by, so that their chunk steps hold only the
+state's products), ``states_kernel`` (per sequence, value head and block of value columns,
+sequential over chunks: every chunk's S0 and D from W and U, the final state), ``output_kernel``
+(per chunk and block of value columns: O). Backward: below.
 The sequential kernels carry the state in fp32; the per-chunk copies of S0 and dS they store
 for the parallel kernels are bf16 for bf16 inputs (``state_dtype``), fp32 otherwise. For bf16
 inputs W is stored in bf16 too and the sequential kernels' products are bf16 ones, each fp32
@@ -629,7 +630,9 @@ def output_kernel(
 # Recompute T, g, W, U (wy_kernel, which also leaves dD's local part P^T dO) and S0, D
 # (states_kernel) as the forward does; then
 # ``dstates_kernel`` walks the chunks in reverse carrying dS (the gradient of the state after a
-# chunk), storing it per chunk with dD; ``bwd_chunk_kernel`` forms every input gradient of a
+# chunk), storing it per chunk with dD. dstates reads no state (only wy_kernel's outputs and the
+# inputs), so the launcher may run the states recompute beside it on a second stream
+# (``backward_side_stream``). ``bwd_chunk_kernel`` forms every input gradient of a
 # chunk from those. dg is formed term by term with each term's decay factor (no reverse running
 # sum of O(1) terms: that loses the strongly decaying heads, where dg is O(exp(g))).
 
