@@ -87,18 +87,26 @@ def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool
 
 def resources(compiled) -> str:
     """Shared memory, registers a thread and spill stack of a compiled kernel (cuobjdump from
-    Triton's wheel reads the cubin's resource usage)."""
+    Triton's wheel reads the cubin's resource usage), and its SASS: instructions, barriers,
+    shuffles and tensor-core instructions (for a latency-bound loop, fewer of the first three
+    is a shorter chunk step: 2026-11-27, the sequential kernels' factors moved to wy_kernel)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True
-        ).stdout
+        usage, sass = (
+            subprocess.run([tool, flag, cubin.name], capture_output=True, text=True).stdout
+            for flag in ("--dump-resource-usage", "-sass")
+        )
     regs, stack = (re.search(rf"{key}:(\d+)", usage) for key in ("REG", "STACK"))
+    code = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    counts = ", ".join(
+        f"{name} {sum(1 for line in code if re.search(pattern, line))}"
+        for name, pattern in (("BAR", r"\bBAR\."), ("SHFL", r"\bSHFL\."), ("MMA", r"MMA"))
+    )
     return (
         f"{compiled.metadata.shared} bytes shared, {regs.group(1) if regs else '?'} registers, "
-        f"stack {stack.group(1) if stack else '?'}"
+        f"stack {stack.group(1) if stack else '?'}; SASS {len(code)} instructions, {counts}"
     )
 
 
