@@ -96,10 +96,19 @@ if [ "${1:-}" = long-8b ]; then
   echo "done in $SECONDS s"
   exit 0
 fi
+gdr_tests() {  # the GDR GPU tests, compiled
+  PYTHONPATH=src:tests:tools timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 \
+    tests/test_gated_delta_rule.py 2>&1 | tail -4 | tee "$OUT/gdr-tests.log"
+}
+gdr_probe() {  # gdr_probe TIMEOUT_S ARGS...: tools/gdr_fault_probe.py matrix, each case apart
+  local limit=$1
+  shift
+  PYTHONPATH=src:tests:tools timeout "$limit" python3 tools/gdr_fault_probe.py matrix "$@" \
+    2>&1 | tee "$OUT/gdr-fault-probe.log"
+}
 if [ "${1:-}" = gdr ]; then  # the GPU tests, then launch variants at both shapes
   export PYTHONPATH=src:tests:tools
-  timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
-    2>&1 | tail -4 | tee "$OUT/gdr-tests.log"
+  gdr_tests
   for shape in "4 4096" "1 32768"; do
     set -- $shape
     timeout 150 python3 tools/gdr_launch_sweep.py --repeats 3 --batch "$1" --seq-len "$2" 2>&1 \
@@ -109,17 +118,13 @@ if [ "${1:-}" = gdr ]; then  # the GPU tests, then launch variants at both shape
   exit 0
 fi
 if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate fix
-  PYTHONPATH=src:tests:tools timeout 420 python3 tools/gdr_fault_probe.py matrix --repeats 5 \
-    2>&1 | tee "$OUT/gdr-fault-probe.log"
+  gdr_probe 420 --repeats 5
   echo "done in $SECONDS s"
   exit 0
 fi
 if [ "${1:-}" = gdr-branch ]; then  # gdr-state-t's first call: its kernels' tests and probe
-  export PYTHONPATH=src:tests:tools
-  timeout 220 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gated_delta_rule.py \
-    2>&1 | tail -4 | tee "$OUT/gdr-tests.log"
-  timeout 200 python3 tools/gdr_fault_probe.py matrix --repeats 3 --shapes b4t4096 b1t32768 \
-    2>&1 | tee "$OUT/gdr-fault-probe.log"
+  gdr_tests
+  gdr_probe 200 --repeats 3 --shapes b4t4096 b1t32768
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -330,6 +330,12 @@ def mlp_forward(family: Family, original: Callable) -> Callable:
     return forward
 
 
+def has_own_forward(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs something other than its class's forward when called: a forward
+    set on the instance (a wrapper) or accelerate's offload hook (``_hf_hook``)."""
+    return "forward" in module.__dict__ or hasattr(module, "_hf_hook")
+
+
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
 _MLP_WARNED: set[str] = set()  # the reasons warned about (once per process each)
@@ -358,7 +364,7 @@ def trained_down_projection(mlp: torch.nn.Module) -> torch.nn.Linear | None:
         reason = "it has forward or backward hooks"
     elif any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS):
         reason = "global module hooks are registered (torch.nn.modules.module)"
-    elif "forward" in down.__dict__ or hasattr(down, "_hf_hook"):
+    elif has_own_forward(down):
         reason = "it has a forward of its own (an accelerate hook or a wrapper)"
     elif type(weight) not in (torch.Tensor, torch.nn.Parameter):
         reason = f"its weight is a {type(weight).__name__}, not a plain tensor"
@@ -460,7 +466,7 @@ def head_route(model: torch.nn.Module) -> tuple[torch.nn.Linear | None, bool, st
     head = getattr(model, "lm_head", None)
     if not isinstance(head, torch.nn.Linear):
         return None, False, f"lm_head is {type(head).__name__}, not an nn.Linear"
-    if "forward" in head.__dict__ or hasattr(head, "_hf_hook"):
+    if has_own_forward(head):
         return None, False, "lm_head has a forward of its own (an accelerate hook or a wrapper)"
     if type(head) is not torch.nn.Linear and type(head).forward is not torch.nn.Linear.forward:
         return None, False, f"lm_head is a {type(head).__name__} with its own forward"
