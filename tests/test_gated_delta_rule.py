@@ -458,34 +458,6 @@ def test_sequential_products_levels(monkeypatch, level):
     run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
-@pytest.mark.parametrize("case", ["fp32-value-blocks", "bf16-l2norm-groups", "fp16-packed"])
-def test_transposed_state(monkeypatch, case):
-    """FUSETUNE_GDR_SEQ=vk, the sequential kernels carrying the state transposed (an
-    experiment): against the oracle as the default kernels are, with an initial and a final
-    state, several chunks, V = 40 in value blocks of 16 (fp32), grouped heads with l2norm and
-    the bf16 products (bf16), packed sequences (fp16)."""
-    monkeypatch.setenv("FUSETUNE_GDR_SEQ", "vk")
-    monkeypatch.setattr(gdr_recurrent, "MAX_BV_INTERPRET", 16)
-    monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
-    if case == "fp32-value-blocks":
-        inputs = make_inputs(batch=2, seq_len=37, key_dim=32, value_dim=40)
-        run_check(inputs, torch.float32, "chunk")
-    elif case == "bf16-l2norm-groups":
-        inputs = make_inputs(batch=1, seq_len=40, key_heads=2, value_heads=4, key_dim=32,
-                             value_dim=40, unit_keys=False)  # fmt: skip
-        run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
-    else:
-        offsets = [0, 5, 5, 17, 18, 30]
-        inputs = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1)
-        check_packed(inputs, offsets, torch.float16, mode="chunk")
-
-
-def test_transposed_state_name_checked(monkeypatch):
-    monkeypatch.setenv("FUSETUNE_GDR_SEQ", "tk")
-    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_SEQ must be 'kv' or 'vk', got 'tk'"):
-        gdr_chunk.transposed_state()
-
-
 def test_backward_side_stream_modes(monkeypatch):
     """FUSETUNE_GDR_BWD_SEQ: its names checked; off CUDA always one stream."""
     for mode in ("auto", "beside", "apart"):
@@ -497,11 +469,9 @@ def test_backward_side_stream_modes(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only: CUDA streams")
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_backward_beside_equals_apart(monkeypatch, layout):
+def test_backward_beside_equals_apart(monkeypatch):
     """The backward's states recompute on a side stream beside dstates gives bit for bit what
     one stream gives (bf16, l2norm, grouped heads, an initial state, packed sequences)."""
-    monkeypatch.setenv("FUSETUNE_GDR_SEQ", layout)
     torch.manual_seed(0)
     q, k = (torch.randn(1, 900, 2, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, 900, 4, 128, device=DEVICE, dtype=torch.bfloat16)

@@ -132,8 +132,6 @@ def case(shape: str, level: str, directory: str, repeats: int) -> None:
     tag = f"{shape:9s} level {level:4s}"
     if os.environ.get("DISABLE_MMA_V3"):
         tag += " DISABLE_MMA_V3=1"
-    if os.environ.get("FUSETUNE_GDR_SEQ"):
-        tag += f" state {os.environ['FUSETUNE_GDR_SEQ']}"
     warps = os.environ.get("GDR_PROBE_SEQ_WARPS")
     if warps:  # a diagnosis, not a fix: the launcher runs dstates (and states where its
         # programs are fewer than the SMs) at 8 warps; every fault so far was in such a launch
@@ -179,7 +177,6 @@ def chain(shape: str, directory: str, repeats: int, lines: list, faults: list) -
     cases = [("fp32", {})] + [(level, {}) for level in LEVELS]
     cases += [(level, {"DISABLE_MMA_V3": "1"}) for level in LEVELS]
     cases += [(level, {"GDR_PROBE_SEQ_WARPS": "4"}) for level in LEVELS]
-    cases += [("auto", {"FUSETUNE_GDR_SEQ": "vk"})]  # (an experiment: the transposed state)
     for level, extra in cases:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", **extra)
         command = [sys.executable, __file__, "case", shape, level, directory, str(repeats)]

@@ -36,20 +36,11 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
-    # (again since the bf16 products, 2026-11-27 sixteenth: W's tile is half the shared memory
-    # it was when 2 stages lost; the loop's loads of the next chunk do not depend on the state)
-    "states / dstates 2 stages": {
-        "states_kernel": dict(num_stages=2),
-        "dstates_kernel": dict(num_stages=2),
-    },
-    # the sequential kernels carrying the state transposed (states_t_kernel, dstates_t_kernel;
-    # branch gdr-state-t): offline (sm_90, Triton 3.9, 8 warps) fewer barriers in the loops
-    # (states 27 -> 23, dstates 37 -> 32) and no spill in dstates (48 -> 0 B)
-    "state transposed (vk)": {"env": {"FUSETUNE_GDR_SEQ": "vk"}},
-    "state transposed (vk), 2 stages": {
-        "env": {"FUSETUNE_GDR_SEQ": "vk"},
-        "states_t_kernel": dict(num_stages=2),
-        "dstates_t_kernel": dict(num_stages=2),
+    # (the launcher's 2 stages for bf16 since 2026-11-27 eighteenth: H100 B4 T4096 6.43 ->
+    # 6.17 ms, B1 T32768 13.67 -> 12.48; 1 stage is what they ran before)
+    "states / dstates 1 stage": {
+        "states_kernel": dict(num_stages=1),
+        "dstates_kernel": dict(num_stages=1),
     },
     # the backward's states recompute on a side stream beside dstates (branch gdr-state-t; the
     # launcher's auto: beside where both launches fit the SMs at once, i.e. at B1 T32768)

@@ -148,9 +148,15 @@ class _ChunkRun:
         # T32768 H16 D128 bf16 22.84 -> 20.58 ms with both at 8; H100, B4 T4096, states at 8
         # 7.97 -> 8.36, dstates at 8 7.82: tools/gdr_launch_sweep.py).
         few = self.column_grid[0] * self.column_grid[1] < _utils.num_programs_in_flight(device)
-        self.states_launch = self.wide if few else self.common
+        # With bf16 products (W's tile bf16) the sequential kernels prefetch the next chunk's
+        # loads (2 stages; they do not depend on the state): H100, fwd+bwd B4 T4096 6.43 ->
+        # 6.17 ms, B1 T32768 13.67 -> 12.48 (docs/bench/session-2026-11-27-eighteenth/call-02,
+        # -03). Shared memory 49 / 66 KB; fp32 / fp16 inputs' split3 products spill more at 2
+        # (offline, sm_90, Triton 3.6: dstates 920 -> 1800 B) and stay at 1.
         self.sequential = dict(SEQ_BF16=seq_bf16)  # states_ and dstates_kernel
-        self.transposed = gdr_chunk.transposed_state()  # (their S^T forms: an experiment)
+        stages = 2 if seq_bf16 else 1
+        self.states_launch = dict(self.wide if few else self.common, num_stages=stages)
+        self.dstates_launch = dict(self.wide, num_stages=stages)
 
     def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
         """The forward's: per chunk T = (I + A)^-1, g, W and U; then every chunk's start state
@@ -174,8 +180,7 @@ class _ChunkRun:
 
     def sequential_states(self, plan, k, h0, hT, cu_arg) -> None:
         """Every chunk's start state into h_buf and its writes D over U (and hT)."""
-        states = gdr_chunk.states_t_kernel if self.transposed else gdr_chunk.states_kernel
-        states[self.column_grid](
+        gdr_chunk.states_kernel[self.column_grid](
             k, self.kd_buf, self.decay_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
@@ -227,13 +232,12 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             run.sequential_states(plan, k, h0, None, cu_arg)
-    dstates = gdr_chunk.dstates_t_kernel if run.transposed else gdr_chunk.dstates_kernel
-    dstates[run.column_grid](
+    gdr_chunk.dstates_kernel[run.column_grid](
         q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
         dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
         plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
-        **run.sequential, **run.wide,
+        **run.sequential, **run.dstates_launch,
     )
     if side is not None:  # (before any buffer the side stream reads is freed)
         torch.cuda.current_stream(device).wait_stream(side)

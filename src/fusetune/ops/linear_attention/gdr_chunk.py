@@ -49,8 +49,9 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 # memory (fp32 for IEEE products: a [64, 128] tile is 32 KB) and, with num_stages > 1, keeps
 # num_stages copies of the loads inside loops. At K = V = 128, chunk 64, num_stages 3 (Triton's
 # default) states_kernel took 182 KB, dstates_kernel 280 KB and bwd_chunk_kernel 311 KB (the
-# GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel: the
-# sequential loops gain nothing from prefetch (each step waits on the previous one's state).
+# GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel but the
+# sequential ones with bf16 products, whose W tile is half the size: they run at 2 (prefetching
+# the next chunk's loads, which do not wait on the state; _ChunkRun's comment has the times).
 # Measured by compiling for sm_90 offline (Triton 3.9, ``triton.compile`` with
 # GPUTarget("cuda", 90, 32), metadata.shared; bytes, num_stages=1), before the split modes:
 #   K = V = 128, BT 64:  wy 32768 (8 warps), states 65536 (BV 64; the launcher uses 32),
@@ -186,16 +187,6 @@ def sequential_bf16(dtype: torch.dtype, dot: int) -> int:
     if dtype != torch.bfloat16 or dot != DOT_MODES["tf32"]:
         return 0
     return W_MODES[mode]
-
-
-def transposed_state() -> bool:
-    """Whether the sequential kernels carry the state transposed (``states_t_kernel``,
-    ``dstates_t_kernel``): ``FUSETUNE_GDR_SEQ=vk``, read at every call, an experiment until it
-    is timed on a GPU; ``kv`` (the default) keeps ``states_kernel``, ``dstates_kernel``."""
-    layout = os.environ.get("FUSETUNE_GDR_SEQ", "kv")
-    if layout not in ("kv", "vk"):
-        raise ValueError(f"FUSETUNE_GDR_SEQ must be 'kv' or 'vk', got {layout!r}")
-    return layout == "vk"
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -693,125 +684,6 @@ def dstates_kernel(
         dS = (dS * decay + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
               - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
-
-
-# ---------------------------------------------------------------- the state carried transposed
-# (an experiment, FUSETUNE_GDR_SEQ=vk; not the default until measured). The kernels above carry
-# S as [K, BV] and form each bf16 product transposed (``mm_state``), so that every chunk step
-# moves S, D, dS and dD between register layouts through shared memory (offline, sm_90, Triton
-# 3.9: 9 layout conversions in states_kernel's loop, 12 in dstates_kernel's). These two carry
-# S^T [BV, K] (dS^T) and keep D^T, dD^T [BV, BT]: the same products, in the orientation where
-# the BV block is M, with no transposition of a register tile; the [BT, K] inputs are loaded
-# in the orientation each product reads (W^T and k^T by their addresses).
-
-
-@triton.jit
-def mm_seq(a, b, BF16: tl.constexpr, DOT: tl.constexpr):
-    """A product of the transposed sequential kernels: with BF16 one bf16 tensor-core product,
-    each fp32 operand rounded to bf16 for it alone, the sum in fp32; else ``mm``."""
-    if BF16:
-        return _dot_inputs(to_bf16(a), to_bf16(b))
-    else:
-        return mm(a, b, DOT)
-
-
-@triton.jit
-def states_t_kernel(
-    k, kd_buf, decay_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
-    T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
-):
-    """states_kernel with the state carried as S^T: D^T = U^T - S^T W^T, then
-    S^T <- exp(G_last) S^T + (D^T diag(exp(G_last - G) rk)) K."""
-    i_v = tl.program_id(0)
-    pid = tl.program_id(1).to(tl.int64)
-    i_n, i_h = pid // HV, pid % HV
-    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
-    tile = cv[:, None] + ck[None, :] * V  # S^T [BV, BK] in the [K, V] state buffers
-    mvk = mv[:, None] & mk[None, :]
-    k += i_b * sk_b + (i_h // GROUP) * sk_h
-    St = tl.zeros([BV, BK], dtype=tl.float32)
-    if HAS_H0:
-        St += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mvk, other=0.0).to(tl.float32)
-    first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
-    r = tl.arange(0, BT)
-    for i_c in range(0, tl.cdiv(eos - bos, BT)):
-        rows = bos + i_c * BT + r
-        mt = rows < eos
-        buf_rows = (i_b * T + rows) * HV + i_h
-        tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile,
-                 St.to(h_buf.dtype.element_ty), mask=mvk)
-        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
-        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
-        k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & mk[None, :],
-                       other=0.0)
-        Wt = tl.load(w_buf + buf_rows[None, :] * K + ck[:, None], mask=mk[:, None] & mt[None, :],
-                     other=0.0)  # W^T [BK, BT]
-        d_cols = d_buf + buf_rows[None, :] * V + cv[:, None]  # D^T [BV, BT]
-        mvt = mv[:, None] & mt[None, :]
-        Dt = tl.load(d_cols, mask=mvt, other=0.0) - mm_seq(St, Wt, SEQ_BF16 >= 1, DOT)
-        tl.store(d_cols, Dt, mask=mvt)
-        St = St * decay + mm_seq(Dt * kd[None, :], k_in, SEQ_BF16 >= 2, DOT)
-    if STORE_HT:
-        tl.store(hT + (i_n * HV + i_h) * K * V + tile, St, mask=mvk)
-
-
-@triton.jit
-def dstates_t_kernel(
-    q, k, do, kd_buf, qd_buf, decay_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
-    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
-):
-    """dstates_kernel with dS carried as dS^T: dD^T = (P^T dO)^T + (dS^T K^T) diag(exp(G_last -
-    G) rk), dS^T <- exp(G_last) dS^T + (dO^T diag(scale rq e^G)) Q - dD^T W."""
-    i_v = tl.program_id(0)
-    pid = tl.program_id(1).to(tl.int64)
-    i_n, i_h = pid // HV, pid % HV
-    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
-    tile = cv[:, None] + ck[None, :] * V
-    mvk = mv[:, None] & mk[None, :]
-    i_hk = i_h // GROUP
-    q += i_b * sq_b + i_hk * sq_h
-    k += i_b * sk_b + i_hk * sk_h
-    do += i_b * sd_b + i_h * sd_h
-    dSt = tl.zeros([BV, BK], dtype=tl.float32)
-    if HAS_DHT:
-        dSt += tl.load(dhT + (i_n * HV + i_h) * K * V + tile, mask=mvk, other=0.0).to(tl.float32)
-    first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
-    r = tl.arange(0, BT)
-    n_chunks = tl.cdiv(eos - bos, BT)
-    for j in range(0, n_chunks):
-        i_c = n_chunks - 1 - j
-        rows = bos + i_c * BT + r
-        mt = rows < eos
-        mtk = mt[:, None] & mk[None, :]
-        mvt = mv[:, None] & mt[None, :]
-        buf_rows = (i_b * T + rows) * HV + i_h
-        tl.store(dh_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile,
-                 dSt.to(dh_buf.dtype.element_ty), mask=mvk)
-        q_in = tl.load(q + rows[:, None] * sq_t + ck[None, :], mask=mtk, other=0.0)
-        kt = tl.load(k + rows[None, :] * sk_t + ck[:, None], mask=mk[:, None] & mt[None, :],
-                     other=0.0)  # k^T [BK, BT]
-        dOt = tl.load(do + rows[None, :] * sd_t + cv[:, None], mask=mvt, other=0.0)
-        Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
-        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
-        qd = tl.load(qd_buf + buf_rows, mask=mt, other=0.0)
-        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
-        dd_cols = dd_buf + buf_rows[None, :] * V + cv[:, None]
-        dDt = tl.load(dd_cols, mask=mvt, other=0.0) + mm_seq(
-            dSt, kt, SEQ_BF16 >= 2, DOT) * kd[None, :]
-        tl.store(dd_cols, dDt, mask=mvt)
-        dOet = dOt.to(tl.float32) * qd[None, :]
-        dSt = (dSt * decay + mm_seq(dOet, q_in, SEQ_BF16 >= 2, DOT)
-               - mm_seq(dDt, Wc, SEQ_BF16 >= 1, DOT))
-    tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dSt, mask=mvk)
 
 
 @triton.jit
