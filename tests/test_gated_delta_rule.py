@@ -458,6 +458,39 @@ def test_sequential_products_levels(monkeypatch, level):
     run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
+def test_backward_side_stream_modes(monkeypatch):
+    """FUSETUNE_GDR_BWD_SEQ: its names checked; off CUDA always one stream."""
+    for mode in ("auto", "beside", "apart"):
+        monkeypatch.setenv("FUSETUNE_GDR_BWD_SEQ", mode)
+        assert gdr_chunk.backward_side_stream(torch.device("cpu"), 2) is None
+    monkeypatch.setenv("FUSETUNE_GDR_BWD_SEQ", "side")
+    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_BWD_SEQ must be .*got 'side'"):
+        gdr_chunk.backward_side_stream(torch.device("cpu"), 2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: CUDA streams")
+def test_backward_beside_equals_apart(monkeypatch):
+    """The backward's states recompute on a side stream beside dstates gives bit for bit what
+    one stream gives (bf16, l2norm, grouped heads, an initial state, packed sequences)."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 900, 2, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 900, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    g = -F.softplus(torch.randn(1, 900, 4, device=DEVICE))
+    beta = torch.rand(1, 900, 4, device=DEVICE, dtype=torch.bfloat16)
+    h0 = torch.randn(3, 4, 128, 128, device=DEVICE)
+    cu = torch.tensor([0, 300, 301, 900], device=DEVICE)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    grad_out = torch.randn_like(v)
+    results = {}
+    for mode in ("apart", "beside"):
+        monkeypatch.setenv("FUSETUNE_GDR_BWD_SEQ", mode)
+        o, _ = fusetune.gated_delta_rule(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu,
+                                         use_qk_l2norm_in_kernel=True)  # fmt: skip
+        results[mode] = torch.autograd.grad(o, leaves, grad_out)
+    for apart, beside in zip(results["apart"], results["beside"], strict=True):
+        assert torch.equal(apart, beside)
+
+
 SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, options)
     "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),

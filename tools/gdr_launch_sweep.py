@@ -36,12 +36,16 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
-    # (again since the bf16 products, 2026-11-27 sixteenth: W's tile is half the shared memory
-    # it was when 2 stages lost; the loop's loads of the next chunk do not depend on the state)
-    "states / dstates 2 stages": {
-        "states_kernel": dict(num_stages=2),
-        "dstates_kernel": dict(num_stages=2),
+    # (the launcher's 2 stages for bf16 since 2026-11-27 eighteenth: H100 B4 T4096 6.43 ->
+    # 6.17 ms, B1 T32768 13.67 -> 12.48; 1 stage is what they ran before)
+    "states / dstates 1 stage": {
+        "states_kernel": dict(num_stages=1),
+        "dstates_kernel": dict(num_stages=1),
     },
+    # the backward's states recompute on a side stream beside dstates (branch gdr-state-t; the
+    # launcher's auto: beside where both launches fit the SMs at once, i.e. at B1 T32768)
+    "backward states apart": {"env": {"FUSETUNE_GDR_BWD_SEQ": "apart"}},
+    "backward states beside": {"env": {"FUSETUNE_GDR_BWD_SEQ": "beside"}},
     "states / dstates 3 stages": {
         "states_kernel": dict(num_stages=3),
         "dstates_kernel": dict(num_stages=3),

@@ -54,7 +54,9 @@ def seq_bf16(dtype: str, dot: int) -> int:
     return gdr_chunk.sequential_bf16(input_dtype(dtype), dot)
 
 
-def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False):
+def compile_kernel(
+    kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False, num_stages: int = 1
+):
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
         if hints and name not in consts and name not in FLOATS:
@@ -76,7 +78,7 @@ def compile_kernel(kernel, consts: dict, num_warps: int, dtype: str, hints: bool
             signature[name] = "*bf16" if bf16 else "*fp32"
         else:
             signature[name] = "*fp32"
-    options = dict(num_warps=num_warps, num_stages=1)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs, attrs),
         target=GPUTarget("cuda", ARCH, 32),

@@ -47,17 +47,14 @@
 #     work-around (the transposed bf16 products); rerun after any change to states / dstates.
 #   bash tools/gpu_pending.sh gdr-bench 1 GPU, carry .peers (~4 minutes): `bench gated_delta_rule`
 #     with FLA in the same run (issue 20's memory target: at or below FLA's).
-#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~6 minutes a shape; SHAPE="4 4096"
+#   bash tools/gpu_pending.sh gdr-profile 1 GPU, carry .peers (~3 minutes a shape; SHAPE="4 4096"
 #     for the other, default "1 32768"): GPU time per kernel, fusetune beside FLA
-#     (tools/gdr_kernel_profile.py), then the sweep's launcher / 2-stage / 3-stage / 4-warp rows
-#     for states / dstates (the next GDR step after 2026-11-27
-#     seventeenth: value blocks of 16 bought 3 % at B1 and lost 17 % at B4); on branch
-#     gdr-state-t also its transposed-state and side-stream rows; main's kernels first when
-#     .main_src is carried (`mkdir .main_src && git archive main src | tar -x -C .main_src`,
-#     .main_src/ in .git/info/exclude).
-#   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): on gdr-state-t, FIRST:
-#     the GDR GPU tests and the fault probe (its vk case) for the branch's kernels (wy_kernel's
-#     per-token factors, the transposed-state kernels), none of which has run on a GPU.
+#     (tools/gdr_kernel_profile.py), then the sweep's launcher / 1-stage / 3-stage / 4-warp /
+#     side-stream rows for states / dstates; main's kernels first when .main_src is carried
+#     (`mkdir .main_src && git archive main src | tar -x -C .main_src`, .main_src/ in
+#     .git/info/exclude). 2026-11-27 eighteenth: docs/bench/session-2026-11-27-eighteenth/.
+#   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
+#     the GDR GPU tests and the fault probe.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -122,7 +119,7 @@ if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate 
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = gdr-branch ]; then  # gdr-state-t's first call: its kernels' tests and probe
+if [ "${1:-}" = gdr-branch ]; then  # a GDR branch's first call: its kernels' tests and probe
   gdr_tests
   gdr_probe 200 --repeats 3 --shapes b4t4096 b1t32768
   echo "done in $SECONDS s"
@@ -139,12 +136,8 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours, at o
   fi
   timeout 150 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
     | tee "$OUT/gdr-profile-b$1-t$2.log"
-  rows=("launcher's settings" "states / dstates 2 stages" "states / dstates 3 stages"
-        "states 4 warps" "dstates 4 warps")
-  if grep -q "backward states apart" tools/gdr_launch_sweep.py; then  # (gdr-state-t's rows)
-    rows+=("state transposed (vk)" "state transposed (vk), 2 stages" "backward states apart"
-           "backward states beside")
-  fi
+  rows=("launcher's settings" "states / dstates 1 stage" "states / dstates 3 stages"
+        "states 4 warps" "dstates 4 warps" "backward states apart" "backward states beside")
   only=()
   for row in "${rows[@]}"; do only+=(--only "$row"); done
   timeout 240 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" "${only[@]}" 2>&1 \

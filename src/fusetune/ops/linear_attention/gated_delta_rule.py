@@ -16,6 +16,8 @@ lost 2.6e-4 relative on dg and 1.7e-2 on dt_bias's gradient, 6x transformers' ow
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fusetune import _utils
@@ -101,6 +103,11 @@ class _ChunkRun:
         self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
         self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
+        # the sequential kernels' per-token and per-chunk factors (wy_kernel's): a key's decay
+        # to its chunk's end times 1 / ||k||, scale e^G / ||q|| (backward), e^G_last a chunk
+        self.kd_buf = _utils.empty(rows, f32, device)
+        self.qd_buf = _utils.empty(rows if backward else (0,), f32, device)
+        self.decay_buf = _utils.empty((slots, plan.value_heads), f32, device)
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         dot = gdr_chunk.dot_mode(v.dtype, _utils.shared_memory_per_block(device))
         # W = T (beta e^G K), bf16 for bf16 inputs, where the sequential kernels' products are
@@ -141,24 +148,40 @@ class _ChunkRun:
         # T32768 H16 D128 bf16 22.84 -> 20.58 ms with both at 8; H100, B4 T4096, states at 8
         # 7.97 -> 8.36, dstates at 8 7.82: tools/gdr_launch_sweep.py).
         few = self.column_grid[0] * self.column_grid[1] < _utils.num_programs_in_flight(device)
-        self.states_launch = self.wide if few else self.common
+        # With bf16 products (W's tile bf16) the sequential kernels prefetch the next chunk's
+        # loads (2 stages; they do not depend on the state): H100, fwd+bwd B4 T4096 6.43 ->
+        # 6.17 ms, B1 T32768 13.67 -> 12.48 (docs/bench/session-2026-11-27-eighteenth/call-02,
+        # -03). Shared memory 49 / 66 KB; fp32 / fp16 inputs' split3 products spill more at 2
+        # (offline, sm_90, Triton 3.6: dstates 920 -> 1800 B) and stay at 1.
         self.sequential = dict(SEQ_BF16=seq_bf16)  # states_ and dstates_kernel
+        stages = 2 if seq_bf16 else 1
+        self.states_launch = dict(self.wide if few else self.common, num_stages=stages)
+        self.dstates_launch = dict(self.wide, num_stages=stages)
 
-    def states(self, plan, k, v, g, beta, h0, hT, cu_arg, q=None, do=None, dd_buf=None,
-               scale=1.0) -> None:
-        """Per chunk T = (I + A)^-1, g, W and U (and with ``do``, dD's local part P^T dO into
-        ``dd_buf``); then every chunk's start state and writes D (and hT)."""
+    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
+        """The forward's: per chunk T = (I + A)^-1, g, W and U; then every chunk's start state
+        and writes D (and hT)."""
+        self.wy(plan, k, v, g, beta, cu_arg)
+        self.sequential_states(plan, k, h0, hT, cu_arg)
+
+    def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0) -> None:
+        """Per chunk T = (I + A)^-1, g, W, U and the sequential kernels' factors (and with
+        ``do``, dD's local part P^T dO into ``dd_buf``)."""
         local = do is not None
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
         gdr_chunk.wy_kernel[self.chunk_grid](
             q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.d_buf,
-            dd_buf if local else self.d_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
+            dd_buf if local else self.d_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
+            self.decay_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
             *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
             plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
             **self.per_chunk,
         )
+
+    def sequential_states(self, plan, k, h0, hT, cu_arg) -> None:
+        """Every chunk's start state into h_buf and its writes D over U (and hT)."""
         gdr_chunk.states_kernel[self.column_grid](
-            k, self.gc_buf, self.w_buf, self.d_buf, self.h_buf,
+            k, self.kd_buf, self.decay_buf, self.w_buf, self.d_buf, self.h_buf,
             self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
             HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
@@ -197,14 +220,27 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     run = _ChunkRun(plan, v, l2norm, backward=True)
     cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.d_buf.shape, f32, device)
-    run.states(plan, k, v, g, beta, h0, None, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
+    run.wy(plan, k, v, g, beta, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
     dh_buf = _utils.empty(run.state_shape, run.grad_dtype, device)
+    # The states' recompute and dstates read only wy_kernel's outputs and the inputs (dstates
+    # never reads a state): where both launches' programs fit the GPU at once, the recompute
+    # runs on a side stream beside dstates (gdr_chunk.backward_side_stream).
+    side = gdr_chunk.backward_side_stream(device, 2 * math.prod(run.column_grid))
+    if side is None:
+        run.sequential_states(plan, k, h0, None, cu_arg)
+    else:
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run.sequential_states(plan, k, h0, None, cu_arg)
     gdr_chunk.dstates_kernel[run.column_grid](
-        q, k, do, run.gc_buf, run.w_buf, dd_buf, dh_buf, dh_buf if dhT is None else dhT, dh0,
+        q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
+        dh_buf if dhT is None else dhT, dh0,
         cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
         plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
-        **run.sequential, **run.wide,
+        **run.sequential, **run.dstates_launch,
     )
+    if side is not None:  # (before any buffer the side stream reads is freed)
+        torch.cuda.current_stream(device).wait_stream(side)
     run.w_buf = None  # freed before the gradients' buffers are allocated: no peak holds both
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])

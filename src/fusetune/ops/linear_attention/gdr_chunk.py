@@ -7,10 +7,11 @@ log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
     D = U - W S0
     O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma, t >= s) D]
     S_end = exp(G_last) S0 + (exp(G_last - G) K)^T D
-Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, kept),
-``states_kernel`` (per sequence, value head and block of value columns, sequential over chunks:
-every chunk's S0 and D from W and U, the final state), ``output_kernel`` (per chunk and block of
-value columns: O). Backward: below.
+Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, kept, and the
+per-token factors the sequential kernels scale by, so that their chunk steps hold only the
+state's products), ``states_kernel`` (per sequence, value head and block of value columns,
+sequential over chunks: every chunk's S0 and D from W and U, the final state), ``output_kernel``
+(per chunk and block of value columns: O). Backward: below.
 The sequential kernels carry the state in fp32; the per-chunk copies of S0 and dS they store
 for the parallel kernels are bf16 for bf16 inputs (``state_dtype``), fp32 otherwise. For bf16
 inputs W is stored in bf16 too and the sequential kernels' products are bf16 ones, each fp32
@@ -33,7 +34,7 @@ import os
 import torch
 
 from fusetune._triton import INTERPRET, tl, triton
-from fusetune._utils import next_power_of_2
+from fusetune._utils import next_power_of_2, num_programs_in_flight
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
 UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
@@ -48,8 +49,9 @@ BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower
 # memory (fp32 for IEEE products: a [64, 128] tile is 32 KB) and, with num_stages > 1, keeps
 # num_stages copies of the loads inside loops. At K = V = 128, chunk 64, num_stages 3 (Triton's
 # default) states_kernel took 182 KB, dstates_kernel 280 KB and bwd_chunk_kernel 311 KB (the
-# GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel: the
-# sequential loops gain nothing from prefetch (each step waits on the previous one's state).
+# GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel but the
+# sequential ones with bf16 products, whose W tile is half the size: they run at 2 (prefetching
+# the next chunk's loads, which do not wait on the state; _ChunkRun's comment has the times).
 # Measured by compiling for sm_90 offline (Triton 3.9, ``triton.compile`` with
 # GPUTarget("cuda", 90, 32), metadata.shared; bytes, num_stages=1), before the split modes:
 #   K = V = 128, BT 64:  wy 32768 (8 warps), states 65536 (BV 64; the launcher uses 32),
@@ -185,6 +187,30 @@ def sequential_bf16(dtype: torch.dtype, dot: int) -> int:
     if dtype != torch.bfloat16 or dot != DOT_MODES["tf32"]:
         return 0
     return W_MODES[mode]
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def backward_side_stream(device: torch.device, programs: int) -> torch.cuda.Stream | None:
+    """The CUDA stream the backward's states recompute runs on beside dstates_kernel, or None
+    (one stream, one after the other): ``FUSETUNE_GDR_BWD_SEQ`` (read at every call) ``beside``
+    / ``apart``, or ``auto`` (the default): beside where the two launches' ``programs`` fit the
+    SMs at once (B1 T32768 H16 V128: 64 + 64 for 132 on an H100, where each alone leaves half
+    the GPU idle); apart off CUDA."""
+    mode = os.environ.get("FUSETUNE_GDR_BWD_SEQ", "auto")
+    if mode not in ("auto", "beside", "apart"):
+        raise ValueError(
+            f"FUSETUNE_GDR_BWD_SEQ must be 'auto', 'beside' or 'apart', got {mode!r}"
+        )
+    if device.type != "cuda" or mode == "apart":
+        return None
+    if mode == "auto" and programs > num_programs_in_flight(device):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def w_dtype(level: int) -> torch.dtype:
@@ -434,7 +460,7 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def wy_kernel(
-    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, cu,
+    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, kd_buf, qd_buf, decay_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
@@ -447,7 +473,10 @@ def wy_kernel(
     into D = U - W S0 in place); for the backward (LOCAL_DD) also T [T, HV, BT] and dD's local
     part P^T dO into dd_buf (dstates_kernel adds the state's). So the sequential kernels do only
     the products that carry the state: two a chunk forward, three backward, where they formed
-    W, U and P per block of value columns."""
+    W, U and P per block of value columns. Their per-token factors come from here too (no
+    gate sums, key norms or exp in their loops): kd_buf [T, HV] = exp(g_{t+1} + ... + g_last)
+    rk_t (a key's decay to the chunk's end), decay_buf [slot, HV] = exp(G_last), and for the
+    backward qd_buf [T, HV] = scale rq_t exp(G_t)."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -475,7 +504,10 @@ def wy_kernel(
     tl.store(gc_buf + out_rows, gq, mask=mt)
     if LOCAL_DD:  # only bwd_chunk_kernel reads T again
         tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
-    gc, _ = gate_sums(gq)
+    gc, total = gate_sums(gq)
+    tl.store(kd_buf + out_rows, tl.where(mt, tl.exp(_tail(gq, r)), 0.0) * rk, mask=mt)
+    slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
+    tl.store(decay_buf + slot * HV + i_h, tl.exp(total))
     Wc = mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)  # K stays an input tile
     if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
         Wc = to_bf16(Wc)
@@ -485,7 +517,9 @@ def wy_kernel(
         q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
                        mask=mtk, other=0.0)
         P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma)
-        Pt = tl.trans(P * (inv_norms(q_in, BT, L2NORM)[:, None] * rk[None, :]))
+        rq = inv_norms(q_in, BT, L2NORM)
+        Pt = tl.trans(P * (rq[:, None] * rk[None, :]))
+        tl.store(qd_buf + out_rows, scale * rq * tl.exp(gc), mask=mt)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mtv = mt[:, None] & (cv < V)[None, :]
@@ -501,7 +535,7 @@ def wy_kernel(
 
 @triton.jit
 def states_kernel(
-    k, gc_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
+    k, kd_buf, decay_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
@@ -533,17 +567,15 @@ def states_kernel(
         buf_rows = (i_b * T + rows) * HV + i_h
         tl.store(h_buf + ((first_slot + i_c) * HV + i_h) * K * V + tile,
                  S.to(h_buf.dtype.element_ty), mask=mkv)
-        gq, _, g_last = _load_gates(gc_buf, buf_rows, mt)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
-        rk = inv_norms(k_in, BT, L2NORM)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
         Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm_state(  # U - W S0
             Wc, S, SEQ_BF16 >= 1, DOT)
         tl.store(d_rows, Dc, mask=mtv)
-        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)  # decay from each token to the end
-        S = S * tl.exp(g_last) + mm_state(tl.trans(k_in), (to_end * rk)[:, None] * Dc,
-                                          SEQ_BF16 >= 2, DOT)
+        S = S * decay + mm_state(tl.trans(k_in), kd[:, None] * Dc, SEQ_BF16 >= 2, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
 
@@ -589,14 +621,16 @@ def output_kernel(
 # Recompute T, g, W, U (wy_kernel, which also leaves dD's local part P^T dO) and S0, D
 # (states_kernel) as the forward does; then
 # ``dstates_kernel`` walks the chunks in reverse carrying dS (the gradient of the state after a
-# chunk), storing it per chunk with dD; ``bwd_chunk_kernel`` forms every input gradient of a
+# chunk), storing it per chunk with dD. dstates reads no state (only wy_kernel's outputs and the
+# inputs), so the launcher may run the states recompute beside it on a second stream
+# (``backward_side_stream``). ``bwd_chunk_kernel`` forms every input gradient of a
 # chunk from those. dg is formed term by term with each term's decay factor (no reverse running
 # sum of O(1) terms: that loses the strongly decaying heads, where dg is O(exp(g))).
 
 
 @triton.jit
 def dstates_kernel(
-    q, k, do, gc_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
+    q, k, do, kd_buf, qd_buf, decay_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, HAS_DHT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
@@ -639,15 +673,15 @@ def dstates_kernel(
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
         dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mtv, other=0.0)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
-        gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-        rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
-        to_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        qd = tl.load(qd_buf + buf_rows, mask=mt, other=0.0)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
-        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + (to_end * rk)[:, None] * mm_state(
+        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + kd[:, None] * mm_state(
             k_in, dS, SEQ_BF16 >= 2, DOT)
         tl.store(dd_rows, dDc, mask=mtv)
-        dOe = (scale * rq * tl.exp(gc))[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
-        dS = (dS * tl.exp(g_last) + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
+        dOe = qd[:, None] * dO_in.to(tl.float32)  # (e^G Q)^T dO = Q^T dOe
+        dS = (dS * decay + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
               - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
 
