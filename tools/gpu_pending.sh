@@ -134,7 +134,9 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours, at o
       --batch "$1" --seq-len "$2" --only "launcher's settings" 2>&1 \
       | sed "s/launcher's settings/main's kernels     /" | tee "$OUT/gdr-main-b$1-t$2.log"
   fi
-  timeout 150 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
+  # (240 s: at B1 T32768 on a fresh machine FLA autotuned past 150 s, 2026-11-27 eighteenth
+  # call 2, and its half of the profile was lost)
+  timeout 240 python3 tools/gdr_kernel_profile.py --batch "$1" --seq-len "$2" 2>&1 \
     | tee "$OUT/gdr-profile-b$1-t$2.log"
   rows=("launcher's settings" "states / dstates 1 stage" "states / dstates 3 stages"
         "states 4 warps" "dstates 4 warps" "backward states apart" "backward states beside")
