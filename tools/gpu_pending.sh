@@ -55,6 +55,11 @@
 #     .git/info/exclude). 2026-11-27 eighteenth: docs/bench/session-2026-11-27-eighteenth/.
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
+#   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
+#     shapes for each source tree under .gdr_trees/NAME/src and the checkout's, one call (after
+#     2026-11-27 eighteenth: `for b in gdr-bwd-regs gdr-bwd-split; do mkdir -p .gdr_trees/$b &&
+#     git archive $b src | tar -x -C .gdr_trees/$b; done`, .gdr_trees/ in .git/info/exclude).
+#     Then `gdr-branch` on the winner's branch before it merges.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
@@ -122,6 +127,18 @@ fi
 if [ "${1:-}" = gdr-branch ]; then  # a GDR branch's first call: its kernels' tests and probe
   gdr_tests
   gdr_probe 200 --repeats 3 --shapes b4t4096 b1t32768
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-trees ]; then  # GDR source trees timed side by side (carry .gdr_trees)
+  for shape in "4 4096" "1 32768"; do
+    set -- $shape
+    for tree in .gdr_trees/*/src src; do
+      PYTHONPATH=$tree:tests:tools timeout 70 python3 tools/gdr_launch_sweep.py --batch "$1" \
+        --seq-len "$2" --only "launcher's settings" 2>&1 \
+        | sed "s|launcher's settings|$tree|" | tee -a "$OUT/gdr-trees.log"
+    done
+  done
   echo "done in $SECONDS s"
   exit 0
 fi
