@@ -56,9 +56,10 @@
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
-#     shapes for each source tree under .gdr_trees/NAME/src and the checkout's, one call (after
-#     2026-11-27 eighteenth: `for b in gdr-bwd-regs gdr-bwd-split; do mkdir -p .gdr_trees/$b &&
-#     git archive $b src | tar -x -C .gdr_trees/$b; done`, .gdr_trees/ in .git/info/exclude).
+#     shapes for each source tree under .gdr_trees/NAME/src and the checkout's, one call. After
+#     2026-11-27 eighteenth: `for b in gdr-bwd-regs gdr-bwd-split gdr-wy-rows; do mkdir -p
+#     .gdr_trees/$b && git archive $b src | tar -x -C .gdr_trees/$b; done` (.gdr_trees/ in
+#     .git/info/exclude).
 #     Then `gdr-branch` on the winner's branch before it merges.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
