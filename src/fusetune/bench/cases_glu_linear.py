@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from fusetune.bench.harness import Case, register
+from fusetune.bench.harness import Case, register, three_products_floor
 
 SHAPES = [(8192, 8192, 2048)]  # Llama-3.2-1B's MLP at 4 x 2048 tokens
 CPU_SHAPE = (64, 256, 128)
@@ -58,21 +58,12 @@ def _make(tokens: int, intermediate: int, hidden: int):
     return make
 
 
-def _floor_flops(tokens: int, intermediate: int, hidden: int) -> Callable[[bool], float]:
-    # y = h W^T, dh = dy W, dW = dy^T h: three products of 2 n i o
-    def floor(quick: bool) -> float:
-        n, i, o = CPU_SHAPE if quick else (tokens, intermediate, hidden)
-        return 3 * 2.0 * n * i * o
-
-    return floor
-
-
 for _tokens, _intermediate, _hidden in SHAPES:
     register(
         Case(
             op="glu_linear",
             name=f"{_tokens}x{_intermediate}->{_hidden} bf16",
             make=_make(_tokens, _intermediate, _hidden),
-            floor_flops=_floor_flops(_tokens, _intermediate, _hidden),
+            floor_flops=three_products_floor((_tokens, _intermediate, _hidden), CPU_SHAPE),
         )
     )

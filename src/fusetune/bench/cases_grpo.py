@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import fusetune
-from fusetune.bench.harness import Case, register
+from fusetune.bench.harness import Case, register, three_products_floor
 from fusetune.reference.grpo import grpo_loss_from_logps
 
 # (B, T, H, V): Llama-3-8B, Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-7B heads at 8192 tokens
@@ -193,16 +193,6 @@ def _log_probs_make(batch: int, time: int, hidden_size: int, vocab: int):
     return make
 
 
-def _flops(batch: int, time: int, hidden_size: int, vocab: int):
-    """Three matmuls (logits, grad hidden, grad weight) of 2 N H V FLOPs each."""
-
-    def floor(quick: bool) -> float:
-        b, t, h, v = CPU_SHAPE if quick else (batch, time, hidden_size, vocab)
-        return 3 * 2.0 * b * t * h * v
-
-    return floor
-
-
 for _index, _shape in enumerate(SHAPES):
     _gpu_only = _index > 0  # the CPU smoke run times one tiny shape per op
     register(
@@ -210,7 +200,7 @@ for _index, _shape in enumerate(SHAPES):
             op="grpo",
             name="B{}xT{} H{} V{} bf16".format(*_shape),
             make=_make(*_shape),
-            floor_flops=_flops(*_shape),
+            floor_flops=three_products_floor(_shape, CPU_SHAPE),
             gpu_only=_gpu_only,
         )
     )
@@ -219,7 +209,7 @@ for _index, _shape in enumerate(SHAPES):
             op="log_probs",
             name="B{}xT{} H{} V{} bf16, entropy".format(*_shape),
             make=_log_probs_make(*_shape),
-            floor_flops=_flops(*_shape),
+            floor_flops=three_products_floor(_shape, CPU_SHAPE),
             gpu_only=_gpu_only,
         )
     )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from fusetune.bench.harness import Case, register
+from fusetune.bench.harness import Case, register, three_products_floor
 
 SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 128256)]
 CPU_SHAPE = (48, 32, 500)
@@ -77,22 +77,12 @@ def _make(rows: int, hidden_size: int, vocab: int):
     return make
 
 
-def _flops(rows: int, hidden_size: int, vocab: int):
-    """Three matmuls (logits, grad hidden, grad weight) of 2 N H V FLOPs each."""
-
-    def floor(quick: bool) -> float:
-        n, h, v = CPU_SHAPE if quick else (rows, hidden_size, vocab)
-        return 3 * 2.0 * n * h * v
-
-    return floor
-
-
 for _rows, _hidden, _vocab in SHAPES:
     register(
         Case(
             op="linear_cross_entropy",
             name=f"{_rows}x{_hidden}x{_vocab} bf16",
             make=_make(_rows, _hidden, _vocab),
-            floor_flops=_flops(_rows, _hidden, _vocab),
+            floor_flops=three_products_floor((_rows, _hidden, _vocab), CPU_SHAPE),
         )
     )

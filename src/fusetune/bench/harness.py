@@ -20,6 +20,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import platform
 import statistics
 import sys
@@ -160,6 +161,19 @@ def register(case: Case) -> Case:
         )
     _REGISTRY.setdefault(case.op, {})[case.name] = case
     return case
+
+
+def three_products_floor(
+    shape: tuple[int, ...], cpu_shape: tuple[int, ...]
+) -> Callable[[bool], float]:
+    """A ``Case.floor_flops`` for a projection's forward and backward: three products (output,
+    grad input, grad weight) of 2 x prod(shape) FLOPs each, ``shape`` being rows (or batch and
+    time), in-features and out-features; ``cpu_shape`` under the quick (CPU) run."""
+
+    def floor(quick: bool) -> float:
+        return 3 * 2.0 * math.prod(cpu_shape if quick else shape)
+
+    return floor
 
 
 def registered_cases(op: str) -> list[Case]:
