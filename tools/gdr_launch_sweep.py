@@ -7,9 +7,9 @@ launcher reads at every call, such as FUSETUNE_GDR_W).
 
     PYTHONPATH=src:tests:tools python tools/gdr_launch_sweep.py [--batch 4 --seq-len 4096]
 
-The launcher runs every kernel at num_stages=1 (gdr_chunk's SHARED MEMORY): the sequential
-kernels' loads of the next chunk (k, v, T, gates) do not depend on the state, so a second stage
-could prefetch them while the state products run, at the cost of shared memory.
+The launcher runs every kernel at num_stages=1 (gdr_chunk's SHARED MEMORY) except states /
+dstates with bf16 products, at 2: their loads of the next chunk do not depend on the state, so
+the second stage prefetches them while the state products run (2026-11-27 eighteenth).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from fusetune.ops.linear_attention import gdr_chunk
 
 STATE_DTYPE = gdr_chunk.state_dtype  # (the launcher's rule; variants replace it while timed)
 VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps, wy / output
-    # at 8; 2026-11-27 eleventh, H100: bwd_chunk BVA 64 8.50 / 22.53 ms vs 7.73 / 21.02, states
-    # and dstates at num_stages 2 9.17 / 23.25)
+    # at 8; 2026-11-27 eleventh, H100: bwd_chunk BVA 64 8.50 / 22.53 ms vs 7.73 / 21.02; states
+    # and dstates at num_stages 2 then 9.17 / 23.25, with fp32 W: bf16 W made 2 stages win)
     "launcher's settings": {},
     # W and every product of states / dstates in bf16 (2026-11-27, gdr-bf16w) against bf16 W
     # with bf16 products only where W is an operand, and the fp32 W / tf32 path before it

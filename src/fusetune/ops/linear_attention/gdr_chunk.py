@@ -110,9 +110,9 @@ def min_block(dot: int) -> int:
 
 
 def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
-    """Value columns a step of bwd_chunk_kernel's loop: 64 (BWD_BLOCK_V) up to K = 128 with IEEE
-    products, 32 above and in split3 mode (its split operands and 16-bit tiles took 229376 of
-    the 232448 bytes at K = V = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
+    """Value columns a step of bwd_chunk_kernel's two loops: 64 (BWD_BLOCK_V) up to K = 128 with
+    IEEE products, 32 above and in split3 mode (its split operands and 16-bit tiles took 229376
+    of the 232448 bytes at K = V = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
     cap = BWD_BLOCK_V if key_dim <= 128 and dot == 2 else min(BWD_BLOCK_V, 32)
     return max(min(max(16, next_power_of_2(value_dim)), cap), min_block(dot))
 
