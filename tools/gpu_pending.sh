@@ -131,13 +131,16 @@ if [ "${1:-}" = gdr-branch ]; then  # a GDR branch's first call: its kernels' te
   echo "done in $SECONDS s"
   exit 0
 fi
+gdr_tree_row() {  # gdr_tree_row TREE BATCH SEQ_LEN LOG: fwd+bwd of one source tree's kernels
+  PYTHONPATH=$1:tests:tools timeout 60 python3 tools/gdr_launch_sweep.py --batch "$2" \
+    --seq-len "$3" --only "launcher's settings" 2>&1 \
+    | sed "s|launcher's settings|$1|" | tee -a "$4"
+}
 if [ "${1:-}" = gdr-trees ]; then  # GDR source trees timed side by side (carry .gdr_trees)
   for shape in "4 4096" "1 32768"; do
     set -- $shape
     for tree in .gdr_trees/*/src src; do
-      PYTHONPATH=$tree:tests:tools timeout 70 python3 tools/gdr_launch_sweep.py --batch "$1" \
-        --seq-len "$2" --only "launcher's settings" 2>&1 \
-        | sed "s|launcher's settings|$tree|" | tee -a "$OUT/gdr-trees.log"
+      gdr_tree_row "$tree" "$1" "$2" "$OUT/gdr-trees.log"
     done
   done
   echo "done in $SECONDS s"
@@ -148,9 +151,7 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours, at o
   export PYTHONPATH=src:tests:tools:/tmp/site
   set -- ${SHAPE:-1 32768}
   if [ -d .main_src/src ]; then  # main's kernels in the same call (carry .main_src: git archive)
-    PYTHONPATH=.main_src/src:tests:tools timeout 60 python3 tools/gdr_launch_sweep.py \
-      --batch "$1" --seq-len "$2" --only "launcher's settings" 2>&1 \
-      | sed "s/launcher's settings/main's kernels     /" | tee "$OUT/gdr-main-b$1-t$2.log"
+    gdr_tree_row .main_src/src "$1" "$2" "$OUT/gdr-main-b$1-t$2.log"
   fi
   # (240 s: at B1 T32768 on a fresh machine FLA autotuned past 150 s, 2026-11-27 eighteenth
   # call 2, and its half of the profile was lost)
