@@ -244,11 +244,19 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     run.w_buf = None  # freed before the gradients' buffers are allocated: no peak holds both
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
+    # (the token-pair gradients dQK; dKK + dKK^T goes over T in t_buf)
+    dqk_buf = _utils.empty(run.t_buf.shape, f32, device)
+    gdr_chunk.bwd_pairs_kernel[run.chunk_grid](
+        q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, dv, dbeta_buf,
+        dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v), *beta.stride(),
+        *bth_strides(do), *bth_strides(dv), scale, plan.seq_len, plan.value_heads,
+        V=plan.value_dim, BVA=block, **run.wide,
+    )
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
-        q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, run.h_buf, dh_buf, dq_buf,
-        dk_buf, dv, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
-        *bth_strides(v), *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len,
-        plan.value_heads, V=plan.value_dim, BVA=block, **run.wide,
+        q, k, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, run.h_buf, dh_buf,
+        dq_buf, dk_buf, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
+        *beta.stride(), *bth_strides(do), scale, plan.seq_len, plan.value_heads,
+        V=plan.value_dim, BVA=block, **run.wide,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 

@@ -687,25 +687,20 @@ def dstates_kernel(
 
 
 @triton.jit
-def bwd_chunk_kernel(
-    q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, h_buf, dh_buf, dq_buf, dk_buf,
-    dv, dbeta_buf, dg_buf, cu,
+def bwd_pairs_kernel(
+    q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, dqk_buf, dv, dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
 ):
-    """Every input gradient of one chunk and value head (dq, dk per value head in fp32; dv;
-    dbeta, dg in fp32) from S0, dS (the gradient after the chunk), D and dD. The value columns
-    go by in blocks of BVA: each gradient term is linear in one sum over them, so the blocks
-    add into [BT, K] and [BT, BT] accumulators and no [K, V] pair sits in registers at once.
-    Registers bound this kernel (one block an SM), so the value columns go by twice: first
-    for the [BT, BT] sums (dO D^T, dD D^T) and dv, which are folded into the token-pair terms
-    before the second pass forms the [BT, K] ones (dO S0^T, D dS^T, dD S0^T). No pass holds
-    the other's accumulators; the second re-reads dO, D and dD, which the first has just
-    brought into L2. (One pass before: spill 1848 -> 1304 B a thread offline, sm_90, Triton
-    3.6, bf16 l2norm; H100 fwd+bwd B4 T4096 6.05 -> 5.31 ms, B1 T32768 12.38 -> 10.97. A third
-    pass, dO S0^T and dD S0^T apart from D dS^T, spilled more and ran slower: 6.21 / 12.67.)"""
+    """The backward's per-chunk gradients, first half (one chunk and value head): what needs
+    no state. Over the value columns dP = dO D^T, dDD = dD D^T and d(beta V) = T^T dD (dU =
+    dD), whence dv and dbeta's value part; T^T dD goes over dD in dd_buf, so that the second
+    half's dW term (T^T dW = -(T^T dD) S0^T) needs no T. Then the token-pair gradients: dQK
+    (the gradient of Q K^T's decayed, scaled products) into dqk_buf, dKK + dKK^T (that of K K^T)
+    over T in t_buf, dbeta's and dg's pair parts into dbeta_buf and dg_buf. (One kernel with
+    the second half held 255 registers and spilled 1304 B a thread, one block an SM.)"""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -713,13 +708,12 @@ def bwd_chunk_kernel(
     rows = start + r
     mt = rows < end
     ck = tl.arange(0, BK)
-    mk = ck < K
-    mtk = mt[:, None] & mk[None, :]
+    mtk = mt[:, None] & (ck < K)[None, :]
     i_hk = i_h // GROUP
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     buf_rows = (i_b * T + rows) * HV + i_h
-    Tinv = tl.load(t_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    # Pass 1: dP = dO D^T, dDD = dD D^T, and d(beta V) = T^T dU (dU = dD): dv and dbeta's part.
+    pair_tile = buf_rows[:, None] * BT + r[None, :]
+    Tinv = tl.load(t_buf + pair_tile, mask=mt[:, None], other=0.0)
     dP = tl.zeros([BT, BT], dtype=tl.float32)
     dDD = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
@@ -731,19 +725,19 @@ def bwd_chunk_kernel(
         dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
                         mask=mtv, other=0.0)
         Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        dd_tile = dd_buf + buf_rows[:, None] * V + cv[None, :]
+        dDc = tl.load(dd_tile, mask=mtv, other=0.0)
         dP += mm(dO_in, tl.trans(Dc), DOT)
         dDD += mm(dDc, tl.trans(Dc), DOT)
         dvb = mm(tl.trans(Tinv), dDc, DOT)
+        tl.store(dd_tile, dvb, mask=mtv)
         dbeta += tl.sum(v_in.to(tl.float32) * dvb, axis=1)
         tl.store(dv + i_b * sdv_b + i_h * sdv_h + rows[:, None] * sdv_t + cv[None, :],
                  (bc[:, None] * dvb).to(dv.dtype.element_ty), mask=mtv)
-    # The token-pair terms. q, k as loaded (input dtype) go into the products (see mm). With
-    # L2NORM they stand for their normalised rows (rq, rk: 1 / norms, folded into the
-    # per-token factors); dq and dk go back through the normalisation at the end.
-    # O = (e^G Q) S0 + P D, P = (Q K^T) * Gamma (Q scaled); S_end = e^{G_last} S0 +
-    # (e^{G_last - G} K)^T D. dg_u gathers every term whose decay factor spans token u: own
-    # (factors e^{G_t}, t >= u), tail (e^{G_last - G_s}, s < u), pairs (e^{G_t - G_s}).
+    # q, k as loaded (input dtype) go into the products (see mm). With L2NORM they stand for
+    # their normalised rows (rq, rk: 1 / norms, folded into the per-token factors).
+    # O = (e^G Q) S0 + P D, P = (Q K^T) * Gamma (Q scaled): dg_u gathers every term whose decay
+    # factor spans token u; here the pairs' (e^{G_t - G_s}: s < u <= t).
     q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
                    other=0.0)
     k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
@@ -752,29 +746,53 @@ def bwd_chunk_kernel(
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     gamma = _decays(gq, r, False, DOT)
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
-    dQK = dP * gamma
+    tl.store(dqk_buf + pair_tile, dP * gamma, mask=mt[:, None])
     pairs = dP * P
     # dA = -T^T (dW W^T + dU U^T), and dW W^T + dU U^T = dD D^T: W S0 = U - D, so
     # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
     dA = -mm(tl.trans(Tinv), dDD, DOT)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    gamma_lower = _decays(gq, r, True, DOT)  # (a where on gamma: more spills, 3 % slower)
+    gamma_lower = _decays(gq, r, True, DOT)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
+    tl.store(t_buf + pair_tile, dKK + tl.trans(dKK), mask=mt[:, None])  # (T read above)
     dbeta += tl.sum(dA * gamma_lower * KK, axis=1)
     pairs += dKK * KK  # dA * A
-    pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)  # exp(G_t - G_s): spans s < u <= t
+    pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
     before = tl.where(r[:, None] < r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [s, u]: s < u
     spans = mm_exact(pairs, before, DOT)  # [t, u]: sum over s < u
     dg = tl.sum(tl.where(r[:, None] >= r[None, :], spans, 0.0), axis=0)
-    dQK_k = dQK * rk[None, :]  # dq's pair term, times K
-    dQK_q = scale * tl.trans(dQK * rq[:, None])  # dk's, times Q
-    dKK_k = (dKK + tl.trans(dKK)) * rk[None, :]  # KK = K K^T: both factors, times K
-    # Pass 2: dQe = dO S0^T, dKd = D dS^T, dW = -dD S0^T, and <dS, S0>.
+    tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
+    tl.store(dg_buf + buf_rows, dg, mask=mt)
+
+
+@triton.jit
+def bwd_chunk_kernel(
+    q, k, beta, do, gc_buf, t_buf, d_buf, dd_buf, dqk_buf, h_buf, dh_buf, dq_buf, dk_buf,
+    dbeta_buf, dg_buf, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
+    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """The backward's per-chunk gradients, second half: dq, dk (per value head in fp32, or in
+    their dtype without groups) whole, and dbeta, dg completed, from S0, dS (the gradient
+    after the chunk) and bwd_pairs_kernel's outputs. The value columns go by in blocks of
+    BVA, each adding into three [BT, K] sums (dO S0^T, D dS^T, (T^T dD) S0^T) and <dS, S0>."""
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    if start >= end:
+        return
+    r = tl.arange(0, BT)
+    rows = start + r
+    mt = rows < end
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mtk = mt[:, None] & mk[None, :]
+    i_hk = i_h // GROUP
+    buf_rows = (i_b * T + rows) * HV + i_h
     state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
     dQe = tl.zeros([BT, BK], dtype=tl.float32)
     dKd = tl.zeros([BT, BK], dtype=tl.float32)
-    dW = tl.zeros([BT, BK], dtype=tl.float32)
+    dkb = tl.zeros([BT, BK], dtype=tl.float32)
     x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
     for v0 in range(0, V, BVA):
         cv = v0 + tl.arange(0, BVA)
@@ -783,32 +801,39 @@ def bwd_chunk_kernel(
         dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
                         mask=mtv, other=0.0)
         Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        dDc = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        dvb = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
         state = state0 + ck[:, None] * V + cv[None, :]
         S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
         dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
         dQe += mm(dO_in, tl.trans(S0), DOT)
         dKd += mm(Dc, tl.trans(dS), DOT)
-        dW -= mm(dDc, tl.trans(S0), DOT)
+        dkb -= mm(dvb, tl.trans(S0), DOT)  # T^T dW, dW = -dD S0^T
         x0 += tl.sum(tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=1), axis=0)
-    eg = tl.exp(gc)
-    eg_end = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)
     q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
-                   other=0.0)  # (again: the first pass's copy is not kept across the second)
+                   other=0.0)
     k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
                    other=0.0)
+    rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
+    bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
+    gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
+    eg = tl.exp(gc)
+    # S_end = e^{G_last} S0 + (e^{G_last - G} K)^T D: dg_u's own terms (factors e^{G_t},
+    # t >= u) and tail terms (e^{G_last - G_s}, s < u); W = T (beta e^G K).
     dq = eg[:, None] * dQe
     own = scale * rq * tl.sum(q_in.to(tl.float32) * dq, axis=1)
-    dk = eg_end[:, None] * dKd
+    dk = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)[:, None] * dKd
     tail = rk * tl.sum(k_in.to(tl.float32) * dk, axis=1)
-    # D = U - W S0, W = T (beta e^G K), U = T (beta V), T = (I + A)^-1.
-    dkb = mm(tl.trans(Tinv), dW, DOT)
     k_dkb = rk * tl.sum(k_in.to(tl.float32) * dkb, axis=1)
-    dbeta += eg * k_dkb
+    dbeta = tl.load(dbeta_buf + buf_rows, mask=mt, other=0.0) + eg * k_dkb
     own += bc * eg * k_dkb
     dk += (bc * eg)[:, None] * dkb
-    dq += mm(dQK_k, k_in, DOT)
-    dk += mm(dQK_q, q_in, DOT) + mm(dKK_k, k_in, DOT)
+    pair_tile = buf_rows[:, None] * BT + r[None, :]
+    dQK = tl.load(dqk_buf + pair_tile, mask=mt[:, None], other=0.0)
+    dq += mm(dQK * rk[None, :], k_in, DOT)
+    dk += scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
+    dKK2 = tl.load(t_buf + pair_tile, mask=mt[:, None], other=0.0)  # dKK + dKK^T
+    dk += mm(dKK2 * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
+    dg = tl.load(dg_buf + buf_rows, mask=mt, other=0.0)
     dg += tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
     dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
     dg += x0 * tl.exp(g_last)  # e^{G_last} S0: every u
