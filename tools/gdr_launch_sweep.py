@@ -50,6 +50,15 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "states_kernel": dict(num_stages=3),
         "dstates_kernel": dict(num_stages=3),
     },
+    # the backward's per-chunk gradients in two kernels since 2026-11-28 (nineteenth): each
+    # holds fewer tiles than the one kernel did, so its lost settings are timed again
+    "bwd_pairs 4 warps": {"bwd_pairs_kernel": dict(num_warps=4)},
+    "bwd BVA 64": {"bwd_pairs_kernel": dict(BVA=64), "bwd_chunk_kernel": dict(BVA=64)},
+    "bwd 2 stages": {
+        "bwd_pairs_kernel": dict(num_stages=2),
+        "bwd_chunk_kernel": dict(num_stages=2),
+    },
+    "wy 2 stages": {"wy_kernel": dict(num_stages=2)},
     # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now; and dS's
     # alone in fp32 (dstates_kernel's bf16 store spilled more offline: 192 -> 520 B)
     "fp32 state copies": {"state_dtype": lambda dtype, dot, gradient=False: torch.float32},

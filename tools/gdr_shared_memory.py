@@ -140,6 +140,7 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
             dict(base, BV=state_bv, HAS_DHT=True, SEQ_BF16=sequential),
             int(SEQ_WARPS or 8),
         ),
+        ("bwd_pairs_kernel", gdr_chunk.bwd_pairs_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]
     for name, kernel, consts, warps in jobs:
