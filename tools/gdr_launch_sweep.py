@@ -24,7 +24,8 @@ from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
 from fusetune.bench.cases_gated_delta_rule import _inputs
 from fusetune.ops.linear_attention import gdr_chunk
 
-STATE_DTYPE = gdr_chunk.state_dtype  # (the launcher's rule; variants replace it while timed)
+STATE_DTYPE = gdr_chunk.state_dtype  # (the launcher's rules; variants replace them while timed)
+OUTPUT_BLOCK = gdr_chunk.output_block
 VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps, wy / output
     # at 8; 2026-11-27 eleventh, H100: bwd_chunk BVA 64 8.50 / 22.53 ms vs 7.73 / 21.02; states
     # and dstates at num_stages 2 then 9.17 / 23.25, with fp32 W: bf16 W made 2 stages win)
@@ -59,6 +60,12 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "bwd_chunk_kernel": dict(num_stages=2),
     },
     "wy 2 stages": {"wy_kernel": dict(num_stages=2)},
+    # one output_kernel program a chunk (V = 128): Q K^T and the decays formed once, not twice;
+    # 131072 bytes of shared memory, 147 registers at 8 warps (offline, sm_90, Triton 3.6)
+    "output one block, 8 warps": {
+        "output_block": lambda value_block: value_block,
+        "output_kernel": dict(num_warps=8),
+    },
     # the per-chunk S0 / dS copies in fp32, as before 2026-11-27 (eleventh): bf16 now; and dS's
     # alone in fp32 (dstates_kernel's bf16 store spilled more offline: 192 -> 520 B)
     "fp32 state copies": {"state_dtype": lambda dtype, dot, gradient=False: torch.float32},
@@ -100,6 +107,7 @@ def main() -> None:
         for name, kernel in originals.items():
             setattr(gdr_chunk, name, Override(kernel, **overrides.get(name, {})))
         gdr_chunk.state_dtype = overrides.get("state_dtype", STATE_DTYPE)
+        gdr_chunk.output_block = overrides.get("output_block", OUTPUT_BLOCK)
         try:
             # the row's environment only while it runs (the launcher reads it at every call)
             with mock.patch.dict(os.environ, overrides.get("env", {})):
@@ -118,6 +126,7 @@ def main() -> None:
     for name, kernel in originals.items():
         setattr(gdr_chunk, name, kernel)
     gdr_chunk.state_dtype = STATE_DTYPE
+    gdr_chunk.output_block = OUTPUT_BLOCK
 
 
 if __name__ == "__main__":

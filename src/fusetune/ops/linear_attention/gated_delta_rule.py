@@ -200,7 +200,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
     run = _ChunkRun(plan, v, l2norm, backward=False)
     cu_arg = o if cu is None else cu
     run.states(plan, k, v, g, beta, h0, hT if output_final_state else None, cu_arg)
-    out_block = min(run.bva, 64)  # value columns a program: keeps its S0 slice at [K, 64]
+    out_block = gdr_chunk.output_block(run.bva)
     gdr_chunk.output_kernel[(*run.chunk_grid, _utils.cdiv(plan.value_dim, out_block))](
         q, k, run.gc_buf, run.d_buf, run.h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
         *bth_strides(o), scale, plan.seq_len, plan.value_heads, V=plan.value_dim,

@@ -117,6 +117,14 @@ def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
     return max(min(max(16, next_power_of_2(value_dim)), cap), min_block(dot))
 
 
+def output_block(value_block: int) -> int:
+    """Value columns an output_kernel program takes, of the launcher's padded ``value_block``:
+    at most 64, so that its S0 slice stays [K, 64] (98304 bytes of shared memory at K = 128:
+    two blocks an SM). Each program of a chunk forms Q K^T and the decays again. A function
+    the launcher looks up at every call, so that tools/gdr_launch_sweep.py can time others."""
+    return min(value_block, 64)
+
+
 DOT_MODES = {"ieee": 2, "split3": 3, "tf32": 4}
 
 
