@@ -1,6 +1,6 @@
 """Shared memory, registers and spill stack of the gated delta rule chunk kernels, compiled
 offline for sm_90 (no GPU needed: Triton's wheel ships ptxas and cuobjdump), per kernel with the
-launcher's settings (num_stages=1, warps, value blocks), for checking NOTES.md's figures.
+launcher's settings (stages, warps, value blocks), for checking NOTES.md's figures.
 
     python tools/gdr_shared_memory.py 128                 # K = V = 128 (chunk 64), IEEE, fp32
     python tools/gdr_shared_memory.py 256 split3 bf16     # K = V = 256 (chunk 32), split3, bf16
@@ -143,10 +143,14 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
         ("bwd_pairs_kernel", gdr_chunk.bwd_pairs_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]
+    # the launcher's stages: 2 for the sequential kernels with bf16 products, else 1
+    two = {"states_kernel": sequential, "dstates_kernel": sequential}
     for name, kernel, consts, warps in jobs:
+        stages = 2 if two.get(name) else 1
+        compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages)
         print(
-            f"K=V={dim} chunk {bt} {mode} {dtype} {name}: "
-            f"{resources(compile_kernel(kernel, consts, warps, dtype, hints))}",
+            f"K=V={dim} chunk {bt} {mode} {dtype} {name} ({warps} warps, {stages} stages): "
+            f"{resources(compiled)}",
             flush=True,
         )
 
