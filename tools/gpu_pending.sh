@@ -53,6 +53,10 @@
 #     side-stream rows for states / dstates; main's kernels first when .main_src is carried
 #     (`mkdir .main_src && git archive main src | tar -x -C .main_src`, .main_src/ in
 #     .git/info/exclude). 2026-11-27 eighteenth: docs/bench/session-2026-11-27-eighteenth/.
+#   bash tools/gpu_pending.sh gdr-ncu   1 GPU, no carry (~4 minutes, if the image has Nsight
+#     Compute; else one line says so): stall reasons, occupancy and speed of light of
+#     bwd_chunk, bwd_pairs, wy and output at B4 T4096 (issue 20: each is 1.5-3x its FLA
+#     counterpart, and the torch profile cannot say why).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
@@ -163,6 +167,30 @@ if [ "${1:-}" = gdr-profile ]; then  # where FLA's step time goes and ours, at o
   for row in "${rows[@]}"; do only+=(--only "$row"); done
   timeout 240 python3 tools/gdr_launch_sweep.py --batch "$1" --seq-len "$2" "${only[@]}" 2>&1 \
     | tee "$OUT/gdr-sweep-b$1-t$2.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-ncu ]; then  # why the per-chunk kernels are slow: Nsight Compute's stalls
+  export PYTHONPATH=src:tests:tools
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+    2>/dev/null | head -1)
+  if [ -z "$ncu" ]; then echo "no ncu in this image" | tee "$OUT/gdr-ncu.log"; exit 0; fi
+  step='import torch, fusetune
+from gdr_modes_bench import DIM, HEADS, make_run
+from fusetune.bench.cases_gated_delta_rule import _inputs
+leaves = _inputs(4, 4096, HEADS, DIM, torch.bfloat16, torch.device("cuda"))
+grad = torch.randn(4, 4096, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+run, _ = make_run(lambda: fusetune.gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)[0],
+                  leaves, grad)
+for _ in range(3):
+    run()
+torch.cuda.synchronize()'
+  for kernel in bwd_chunk_kernel bwd_pairs_kernel wy_kernel output_kernel; do  # B4 T4096
+    timeout 150 "$ncu" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats python3 -c "$step" 2>&1 \
+      | tee -a "$OUT/gdr-ncu.log"
+  done
   echo "done in $SECONDS s"
   exit 0
 fi
