@@ -61,10 +61,11 @@
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
 #     shapes for each source tree under .gdr_trees/NAME/src and the checkout's, one call. After
-#     2026-11-28 nineteenth: check out gdr-bwd-launch, then `rm -rf .gdr_trees; mkdir -p
-#     .gdr_trees/main && git archive main src | tar -x -C .gdr_trees/main` (.gdr_trees/ in
-#     .git/info/exclude): the branch's launch settings against main's. Then `gdr-branch` on the
-#     branch before it merges (its settings were timed one at a time, never checked together).
+#     2026-11-28 nineteenth: check out gdr-next (gdr-bwd-rowsums + gdr-bwd-launch), then
+#     `rm -rf .gdr_trees; for b in main gdr-bwd-launch gdr-bwd-rowsums; do mkdir -p
+#     .gdr_trees/$b && git archive $b src | tar -x -C .gdr_trees/$b; done` (.gdr_trees/ in
+#     .git/info/exclude). Then `gdr-branch` on the winner before it merges: neither branch has
+#     run a GPU test.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
