@@ -1,7 +1,8 @@
 """``fusetune.gated_delta_rule``: argument checks, dispatch, custom ops and autograd.
 
 Kernels: ``gdr_chunk`` (mode="chunk": WY form per chunk of 64 tokens; its backward's math is in
-``bwd_chunk_kernel``) and ``gdr_recurrent`` (mode="recurrent", token by token).
+``bwd_pairs_kernel`` and ``bwd_chunk_kernel``) and ``gdr_recurrent`` (mode="recurrent", token
+by token).
 Math of the recurrent backward (per sequence and value head; S_t the state after token t,
 a_t = exp(g_t), e_t = v_t - (a_t S_{t-1})^T k_t, L_t = dLoss/dS_t including scale q_t do_t^T):
     dd_t = L_t^T k_t                 dv_t = beta_t dd_t          dbeta_t = dd_t . e_t
@@ -98,8 +99,8 @@ class _ChunkRun:
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
         slots = slot_count(self.max_chunks, plan.n_seq, plan.varlen)
         rows = (plan.batch, plan.seq_len, plan.value_heads)
-        # (I + A)^-1 per chunk, for the backward's bwd_chunk_kernel (the forward forms W and U
-        # from it inside wy_kernel)
+        # (I + A)^-1 per chunk, for the backward's bwd_pairs_kernel, which leaves dKK + dKK^T
+        # over it for bwd_chunk_kernel (the forward forms W and U from T inside wy_kernel)
         self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
         self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates

@@ -44,7 +44,7 @@ EMULATE_TF32 = tl.constexpr(INTERPRET)
 # The interpreter's fp32 -> bf16 conversion truncates; the GPU's rounds to nearest (see to_bf16).
 ROUND_BF16 = tl.constexpr(INTERPRET)
 INTERPRET_CHUNK = 16  # tests raise it to run the blocked inverse
-BWD_BLOCK_V = 64  # value columns a step of bwd_chunk_kernel's loop (tests lower it)
+BWD_BLOCK_V = 64  # value columns a step of the backward kernels' loops (tests lower it)
 # SHARED MEMORY (H100: 232448 bytes a block). Triton stages every tl.dot operand through shared
 # memory (fp32 for IEEE products: a [64, 128] tile is 32 KB) and, with num_stages > 1, keeps
 # num_stages copies of the loads inside loops. At K = V = 128, chunk 64, num_stages 3 (Triton's
@@ -110,9 +110,10 @@ def min_block(dot: int) -> int:
 
 
 def bwd_block_v(key_dim: int, value_dim: int, dot: int) -> int:
-    """Value columns a step of bwd_chunk_kernel's two loops: 64 (BWD_BLOCK_V) up to K = 128 with
-    IEEE products, 32 above and in split3 mode (its split operands and 16-bit tiles took 229376
-    of the 232448 bytes at K = V = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
+    """Value columns a step of bwd_pairs_kernel's and bwd_chunk_kernel's loops: 64
+    (BWD_BLOCK_V) up to K = 128 with IEEE products, 32 above and in split3 mode (the one
+    backward kernel's split operands and 16-bit tiles took 229376 of the 232448 bytes at K = V
+    = 128, bf16, 64 columns; 163840 at 32: see SHARED MEMORY)."""
     cap = BWD_BLOCK_V if key_dim <= 128 and dot == 2 else min(BWD_BLOCK_V, 32)
     return max(min(max(16, next_power_of_2(value_dim)), cap), min_block(dot))
 
@@ -499,7 +500,7 @@ def wy_kernel(
     Tinv = _unit_lower_inverse(A, r, BT, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
     tl.store(gc_buf + out_rows, gq, mask=mt)
-    if LOCAL_DD:  # only bwd_chunk_kernel reads T again
+    if LOCAL_DD:  # only bwd_pairs_kernel reads T again
         tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
     gc, total = gate_sums(gq)
     tl.store(kd_buf + out_rows, tl.where(mt, tl.exp(_tail(gq, r)), 0.0) * rk, mask=mt)
@@ -620,9 +621,10 @@ def output_kernel(
 # ``dstates_kernel`` walks the chunks in reverse carrying dS (the gradient of the state after a
 # chunk), storing it per chunk with dD. dstates reads no state (only wy_kernel's outputs and the
 # inputs), so the launcher may run the states recompute beside it on a second stream
-# (``backward_side_stream``). ``bwd_chunk_kernel`` forms every input gradient of a
-# chunk from those. dg is formed term by term with each term's decay factor (no reverse running
-# sum of O(1) terms: that loses the strongly decaying heads, where dg is O(exp(g))).
+# (``backward_side_stream``). ``bwd_pairs_kernel`` (the terms that need no state) and
+# ``bwd_chunk_kernel`` (the state terms) form every input gradient of a chunk from those. dg
+# is formed term by term with each term's decay factor (no reverse running sum of O(1) terms:
+# that loses the strongly decaying heads, where dg is O(exp(g))).
 
 
 @triton.jit
