@@ -140,11 +140,13 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
             dict(base, BV=state_bv, HAS_DHT=True, SEQ_BF16=sequential),
             int(SEQ_WARPS or 8),
         ),
-        ("bwd_pairs_kernel", gdr_chunk.bwd_pairs_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
+        ("bwd_pairs_kernel", gdr_chunk.bwd_pairs_kernel, dict(base, BVA=bwd_bv), per_chunk),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]
-    # the launcher's stages: 2 for the sequential kernels with bf16 products, else 1
+    # the launcher's stages: 2 for the sequential kernels with bf16 products and for the two
+    # backward per-chunk kernels with tf32 products, else 1
     two = {"states_kernel": sequential, "dstates_kernel": sequential}
+    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel"), mode == "tf32"))
     for name, kernel, consts, warps in jobs:
         stages = 2 if two.get(name) else 1
         compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages)

@@ -142,6 +142,14 @@ class _ChunkRun:
         self.wide = dict(self.common, num_warps=8)
         tf32 = dot == gdr_chunk.DOT_MODES["tf32"]
         self.per_chunk = self.common if tf32 else self.wide  # wy_kernel, output_kernel
+        # The backward's two per-chunk kernels: with tf32 products bwd_pairs at 4 warps and
+        # both prefetching the next value block (2 stages; same shared memory, no more spill
+        # offline): H100, fwd+bwd B4 T4096 5.12 -> 4.98 (4 warps) and 4.86 ms (2 stages), B1
+        # T32768 10.44 -> 9.57 and 10.02 (docs/bench/session-2026-11-28-nineteenth/call-04).
+        # split3 stays at 8 warps, 1 stage: at 4 warps its bwd_pairs collapses to 32 registers
+        # on sm_80 (a 9.8-22 KB stack, offline).
+        self.bwd_pairs_launch = dict(self.per_chunk, num_stages=2 if tf32 else 1)
+        self.bwd_chunk_launch = dict(self.wide, num_stages=2 if tf32 else 1)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
         # The sequential kernels are latency-bound. dstates_kernel runs faster at 8 warps at both
@@ -251,13 +259,13 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, dv, dbeta_buf,
         dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v), *beta.stride(),
         *bth_strides(do), *bth_strides(dv), scale, plan.seq_len, plan.value_heads,
-        V=plan.value_dim, BVA=block, **run.wide,
+        V=plan.value_dim, BVA=block, **run.bwd_pairs_launch,
     )
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
         q, k, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, run.h_buf, dh_buf,
         dq_buf, dk_buf, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
         *beta.stride(), *bth_strides(do), scale, plan.seq_len, plan.value_heads,
-        V=plan.value_dim, BVA=block, **run.wide,
+        V=plan.value_dim, BVA=block, **run.bwd_chunk_launch,
     )
     return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 
