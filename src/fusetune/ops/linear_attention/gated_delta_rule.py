@@ -145,7 +145,8 @@ class _ChunkRun:
         # The backward's two per-chunk kernels: with tf32 products bwd_pairs at 4 warps and
         # both prefetching the next value block (2 stages; same shared memory, no more spill
         # offline): H100, fwd+bwd B4 T4096 5.12 -> 4.98 (4 warps) and 4.86 ms (2 stages), B1
-        # T32768 10.44 -> 9.57 and 10.02 (docs/bench/session-2026-11-28-nineteenth/call-04).
+        # T32768 10.44 -> 9.57 and 10.02 (docs/bench/session-2026-11-28-nineteenth/call-04);
+        # both: 5.16 -> 4.70 and 10.36 -> 9.53 (session-2026-11-28-twentieth/call-01).
         # split3 stays at 8 warps, 1 stage: at 4 warps its bwd_pairs collapses to 32 registers
         # on sm_80 (a 9.8-22 KB stack, offline).
         self.bwd_pairs_launch = dict(self.per_chunk, num_stages=2 if tf32 else 1)
