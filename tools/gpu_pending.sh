@@ -57,6 +57,10 @@
 #     Compute; else one line says so): stall reasons, occupancy and speed of light of
 #     bwd_chunk, bwd_pairs, wy and output at B4 T4096 (issue 20: each is 1.5-3x its FLA
 #     counterpart, and the torch profile cannot say why).
+#   bash tools/gpu_pending.sh gdr-accuracy 1 GPU, carry .peers (~2 minutes): tools/gdr_accuracy.py,
+#     bf16 o and gradients against float64 (B2 T2048 H4 D128) for each FUSETUNE_GDR_W level the
+#     checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
+#     under Triton 3.6 is the one its own guard refuses).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
@@ -122,6 +126,13 @@ if [ "${1:-}" = gdr ]; then  # the GPU tests, then launch variants at both shape
     timeout 150 python3 tools/gdr_launch_sweep.py --repeats 3 --batch "$1" --seq-len "$2" 2>&1 \
       | tee -a "$OUT/gdr-sweep.log"
   done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-accuracy ]; then  # bf16 errors against float64, fusetune's levels and FLA's
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:tools:/tmp/site
+  timeout 300 python3 tools/gdr_accuracy.py 2>&1 | tee "$OUT/gdr-accuracy.log"
   echo "done in $SECONDS s"
   exit 0
 fi
