@@ -31,11 +31,13 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (not .peers: 64 MiB; up to
-#     ~16 minutes: a call per variant with VARIANTS=...): issue 18's "longer than Unsloth" at the
-#     8B shape. Both fit 196608 tokens (fusetune offloaded 118.9 s a step, Unsloth 123.1 s,
-#     2026-11-27 fifteenth; Unsloth's load + step there took ~220 s): each from 229376 tokens
-#     (LENGTH=...) up to 262144, under a 400 s step bound.
+#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (~8-9 minutes): issue 18's
+#     "longer than Unsloth" at the 8B shape. Both fit 196608 tokens (fusetune offloaded 118.9 s
+#     a step, Unsloth 123.1 s, 2026-11-27 fifteenth; Unsloth's load + step there took ~220 s):
+#     each from 229376 tokens (LENGTH=...) with the limit 262144, which is one step a variant
+#     (the doubling passes the limit; the bisection's gap is one step), under a 400 s step
+#     bound; VARIANTS=... for one. (.bnb holds a trimmed wheel since 2026-11-28: all three
+#     carry folders fit run's 64 MiB.)
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
 #     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
 #     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
