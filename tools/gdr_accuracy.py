@@ -1,7 +1,8 @@
 """Gated DeltaNet's bf16 accuracy against float64: fusetune's chunk kernels at each
-FUSETUNE_GDR_W level beside FLA's chunk_gated_delta_rule, on the same inputs (the bench's: raw
-q, k with use_qk_l2norm_in_kernel, fp32 g, bf16 beta). Issue 20 weighs FLA's speed against its
-bf16 buffers and products; this table is the other side of that trade.
+FUSETUNE_GDR_W level and product mode (FUSETUNE_GDR_DOT) beside FLA's chunk_gated_delta_rule,
+on the same inputs (the bench's: raw q, k with use_qk_l2norm_in_kernel, fp32 g, bf16 beta).
+Issue 20 weighs FLA's speed against its bf16 buffers and products; this table is the other side
+of that trade.
 
     PYTHONPATH=src:tools:/tmp/site python tools/gdr_accuracy.py [--batch 2 --seq-len 2048]
 
@@ -25,8 +26,19 @@ from fusetune.ops.linear_attention import gdr_chunk
 from fusetune.reference.gated_delta_rule import gated_delta_rule as reference
 
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
-# FUSETUNE_GDR_W levels, those this checkout has (d: branch gdr-bf16-d)
-LEVELS = [level for level in ("auto", "d", "fp32") if level in gdr_chunk.W_MODES]
+# (FUSETUNE_GDR_W, FUSETUNE_GDR_DOT) settings, those this checkout has (W=d and DOT=bf16: branch
+# gdr-bf16-d)
+SETTINGS = [
+    (w, dot)
+    for w, dot in (
+        ("auto", "auto"),
+        ("d", "auto"),
+        ("fp32", "auto"),
+        ("auto", "bf16"),
+        ("d", "bf16"),
+    )  # fmt: skip
+    if w in gdr_chunk.W_MODES and (dot == "auto" or dot in gdr_chunk.DOT_MODES)
+]
 
 
 def outputs_and_grads(fn, leaves, grad_out) -> list[torch.Tensor]:
@@ -57,12 +69,13 @@ def main() -> None:
     wide = [leaf.detach().double().requires_grad_() for leaf in leaves]
     want = outputs_and_grads(reference, wide, grad_out)
     rows = {}
-    for level in LEVELS:
-        os.environ["FUSETUNE_GDR_W"] = level
-        rows[f"fusetune, FUSETUNE_GDR_W={level}"] = relative_errors(
+    for w, dot in SETTINGS:
+        os.environ["FUSETUNE_GDR_W"], os.environ["FUSETUNE_GDR_DOT"] = w, dot
+        rows[f"fusetune, W={w} DOT={dot}"] = relative_errors(
             outputs_and_grads(fusetune.gated_delta_rule, leaves, grad_out), want
         )
     os.environ.pop("FUSETUNE_GDR_W")
+    os.environ.pop("FUSETUNE_GDR_DOT")
     fla = _fla_chunk() if device.type == "cuda" else None
     if fla is not None:
         name, chunk = fla
