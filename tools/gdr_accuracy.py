@@ -36,7 +36,7 @@ SETTINGS = [
         ("fp32", "auto"),
         ("auto", "bf16"),
         ("d", "bf16"),
-    )  # fmt: skip
+    )
     if w in gdr_chunk.W_MODES and (dot == "auto" or dot in gdr_chunk.DOT_MODES)
 ]
 

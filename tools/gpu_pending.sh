@@ -60,8 +60,8 @@
 #     bwd_chunk, bwd_pairs, wy and output at B4 T4096 (issue 20: each is 1.5-3x its FLA
 #     counterpart, and the torch profile cannot say why).
 #   bash tools/gpu_pending.sh gdr-accuracy 1 GPU, carry .peers (~2 minutes): tools/gdr_accuracy.py,
-#     bf16 o and gradients against float64 (B2 T2048 H4 D128) for each FUSETUNE_GDR_W level the
-#     checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
+#     bf16 o and gradients against float64 (B2 T2048 H4 D128) for each FUSETUNE_GDR_W /
+#     FUSETUNE_GDR_DOT setting the checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
 #     under Triton 3.6 is the one its own guard refuses).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
