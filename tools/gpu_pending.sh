@@ -31,13 +31,12 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (~8-9 minutes): issue 18's
-#     "longer than Unsloth" at the 8B shape. Both fit 196608 tokens (fusetune offloaded 118.9 s
-#     a step, Unsloth 123.1 s, 2026-11-27 fifteenth; Unsloth's load + step there took ~220 s):
-#     each from 229376 tokens (LENGTH=...) with the limit 262144, which is one step a variant
-#     (the doubling passes the limit; the bisection's gap is one step), under a 400 s step
-#     bound; VARIANTS=... for one. (.bnb holds a trimmed wheel since 2026-11-28: all three
-#     carry folders fit run's 64 MiB.)
+#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (~6 minutes): issue 18's
+#     "longer than Unsloth" at the 8B shape. 2026-11-28 (21st): both fit 229376 tokens
+#     (fusetune offloaded 146.7 s a step at 52.3 GiB, Unsloth 168.9 s at 74.0 GiB), fusetune
+#     offloaded 262144 (174.9 s, 57.6 GiB). This mode: Unsloth alone at 262144 (VARIANTS=...,
+#     LENGTH=...), the bisection kept above 229376 (KNOWN_FIT=...), so an out-of-memory step ends
+#     the run ("OOM 262144") instead of bisecting down. Each FIT / OOM line prints as it happens.
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
 #     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
 #     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
@@ -102,10 +101,11 @@ if [ "${1:-}" = long-8b ]; then
   # shellcheck source=tools/unsloth_env.sh
   source tools/unsloth_env.sh
   export PYTHONPATH=src:tools:tests:/tmp/site
-  for variant in ${VARIANTS:-hf+peft+fusetune+offload unsloth}; do
-    timeout 500 python3 tools/long_context.py --shapes llama-8b --variants "$variant" \
-      --start "${LENGTH:-229376}" --step 32768 --limit 262144 --max-step-s 400 --timeout 480 \
-      2>&1 | tee -a "$OUT/long_context-8b.log" | grep "FIT\|{"
+  for variant in ${VARIANTS:-unsloth}; do
+    length=${LENGTH:-262144}
+    timeout 540 python3 tools/long_context.py --shapes llama-8b --variants "$variant" \
+      --start "$length" --step 32768 --limit "$length" --known-fit "${KNOWN_FIT:-229376}" \
+      --max-step-s 400 --timeout 520 2>&1 | tee -a "$OUT/long_context-8b.log" | grep "FIT\|OOM\|{\|error\|timed"
   done
   echo "done in $SECONDS s"
   exit 0

@@ -62,13 +62,14 @@ def build(shape, variant: str, device: torch.device, limit: int) -> torch.nn.Mod
 
 
 def worker(
-    shape_key: str, variant: str, start: int, step: int, limit: int, max_step_s: float
+    shape_key: str, variant: str, start: int, step: int, limit: int, max_step_s: float,
+    known_fit: int = 0,
 ) -> dict:
     device = torch.device("cuda")
     cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
     model = build(SHAPES[shape_key], variant, device, limit)
     fits(model, 2048, device)  # warm-up: compilation and autotuning are not a step's time
-    good, bad, seconds, peak = 0, None, None, None
+    good, bad, seconds, peak = known_fit, None, None, None
     length = start
     # double until out of memory, or until the next step would take longer than max_step_s
     # (attention's time grows as the square of the length: 4x a doubling)
@@ -76,6 +77,7 @@ def worker(
         took = fits(model, length, device)
         if took is None:
             bad = length
+            print(f"OOM {length}", flush=True)
         else:
             good, (seconds, peak), length = length, took, length * 2
             # (what a timed-out run still reports)
@@ -86,6 +88,7 @@ def worker(
         took = fits(model, middle, device)
         if took is None:
             high = middle
+            print(f"OOM {middle}", flush=True)
         else:
             good, (seconds, peak) = middle, took
             print(f"FIT {good} {seconds:.2f} s {peak:.2f} GiB", flush=True)
@@ -103,10 +106,13 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=1 << 20)
     parser.add_argument("--timeout", type=float, default=280)
     parser.add_argument("--max-step-s", type=float, default=20.0)
+    # a length an earlier run trained: the bisection stays above it
+    parser.add_argument("--known-fit", type=int, default=0)
     parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(*args.worker, args.start, args.step, args.limit, args.max_step_s)
+        result = worker(*args.worker, args.start, args.step, args.limit, args.max_step_s,
+                        args.known_fit)  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     for shape in args.shapes:
@@ -120,20 +126,18 @@ def main() -> int:
                 str(args.limit),
                 "--max-step-s",
                 str(args.max_step_s),
+                "--known-fit",
+                str(args.known_fit),
             ]
             command = [sys.executable, __file__, "--worker", shape, variant, *sizes]
-            try:
-                done = subprocess.run(command, capture_output=True, text=True,
+            try:  # the worker's FIT / OOM lines go straight to stdout: a killed run keeps them
+                done = subprocess.run(command, stdout=None, stderr=subprocess.PIPE, text=True,
                                       timeout=args.timeout, check=False)  # fmt: skip
-                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-                tail = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else ["?"]
-                print(lines[0][7:] if lines else f"{shape} {variant}: error {tail[0][:200]}")
-            except subprocess.TimeoutExpired as timeout:
-                partial = timeout.stdout or ""
-                partial = partial.decode() if isinstance(partial, bytes) else partial
-                fit = [ln.split() for ln in partial.splitlines() if ln.startswith("FIT ")]
-                best = f"fits {fit[-1][1]} ({fit[-1][2]} s a step)" if fit else "nothing fit"
-                print(f"{shape} {variant}: timed out after {args.timeout:.0f} s; {best}")
+                if done.returncode:
+                    tail = done.stderr.strip().splitlines()[-1:] or ["?"]
+                    print(f"{shape} {variant}: error {tail[0][:200]}")
+            except subprocess.TimeoutExpired:
+                print(f"{shape} {variant}: timed out after {args.timeout:.0f} s")
             sys.stdout.flush()
     return 0
 
