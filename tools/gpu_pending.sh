@@ -31,12 +31,15 @@
 #     shape): the in-place LoRA add's Inductor test, then issue 18 item 3, the longest sequence
 #     at batch 1 (tools/long_context.py; HF + PEFT, Liger, fusetune, fusetune with offloaded
 #     checkpoints, Unsloth), Llama-3.2-1B then the 8B shape (SHAPES=..., VARIANTS=... to choose).
-#   bash tools/gpu_pending.sh long-8b   1 GPU, carry .unsloth .bnb (~6 minutes): issue 18's
-#     "longer than Unsloth" at the 8B shape. 2026-11-28 (21st): both fit 229376 tokens
-#     (fusetune offloaded 146.7 s a step at 52.3 GiB, Unsloth 168.9 s at 74.0 GiB), fusetune
-#     offloaded 262144 (174.9 s, 57.6 GiB). This mode: Unsloth alone at 262144 (VARIANTS=...,
-#     LENGTH=...), the bisection kept above 229376 (KNOWN_FIT=...), so an out-of-memory step ends
-#     the run ("OOM 262144") instead of bisecting down. Each FIT / OOM line prints as it happens.
+#   bash tools/gpu_pending.sh long-at   1 GPU, carry .unsloth .bnb (~4-9 minutes): issue 18's
+#     "longer than Unsloth", one shape (SHAPE=, default llama-8b), each variant (VARIANTS=,
+#     default unsloth) from LENGTH (default 262144) up to LIMIT (default LENGTH) with the
+#     bisection kept above KNOWN_FIT (default 229376), so an out-of-memory first step ends the
+#     run ("OOM N") instead of bisecting down. FIT / OOM lines print as they happen.
+#     2026-11-28 (21st), 8B: fusetune offloaded 262144 (174.9 s, 57.6 GiB); Unsloth 229376
+#     (168.9 s, 74.0 GiB), OOM at 262144. Llama-3.2-1B is still time-bound (fusetune 256k at
+#     52.6 s, Unsloth 128k at 16.4 s, 2026-11-27): SHAPE=llama-3.2-1b LENGTH=262144 LIMIT=524288
+#     KNOWN_FIT=131072, one call a variant (a 512k step is ~4 minutes).
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
 #     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
 #     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
@@ -97,15 +100,16 @@ if [ "${1:-}" = long ]; then
   echo "done in $SECONDS s"
   exit 0
 fi
-if [ "${1:-}" = long-8b ]; then
+if [ "${1:-}" = long-at ]; then
   # shellcheck source=tools/unsloth_env.sh
   source tools/unsloth_env.sh
   export PYTHONPATH=src:tools:tests:/tmp/site
+  length=${LENGTH:-262144}
   for variant in ${VARIANTS:-unsloth}; do
-    length=${LENGTH:-262144}
-    timeout 540 python3 tools/long_context.py --shapes llama-8b --variants "$variant" \
-      --start "$length" --step 32768 --limit "$length" --known-fit "${KNOWN_FIT:-229376}" \
-      --max-step-s 400 --timeout 520 2>&1 | tee -a "$OUT/long_context-8b.log" | grep "FIT\|OOM\|{\|error\|timed"
+    timeout 540 python3 tools/long_context.py --shapes "${SHAPE:-llama-8b}" --variants "$variant" \
+      --start "$length" --step 32768 --limit "${LIMIT:-$length}" --known-fit "${KNOWN_FIT:-229376}" \
+      --max-step-s 400 --timeout 520 2>&1 | tee -a "$OUT/long_context.log" \
+      | grep "FIT\|OOM\|{\|error\|timed"
   done
   echo "done in $SECONDS s"
   exit 0
