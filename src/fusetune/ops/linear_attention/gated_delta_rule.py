@@ -255,8 +255,8 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     )
     if side is not None:  # (before any buffer the side stream reads is freed)
         torch.cuda.current_stream(device).wait_stream(side)
-    # freed before the gradients' buffers are allocated: no peak holds both (U is d_buf but
-    # with FUSETUNE_GDR_W=d)
+    # freed before the gradients' buffers are allocated: no peak holds both (u_buf is d_buf
+    # itself but with FUSETUNE_GDR_W=d)
     run.w_buf = run.u_buf = None
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])

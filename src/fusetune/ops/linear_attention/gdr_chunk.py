@@ -405,7 +405,8 @@ def mm(a, b, DOT: tl.constexpr):
 def mm_tf32(a, b, DOT: tl.constexpr):
     """``mm`` with bf16 mode's products at tf32 instead: for (I + A)^-1's doubling, whose ten
     dependent products compound their operands' rounding into T (and so into W, U and every
-    gradient through them), where tf32's 10 mantissa bits are finer than bf16's 8."""
+    gradient through them), where tf32's 10 mantissa bits are finer than bf16's 8; and for
+    the sequential kernels' products below level 2 (``mm_state``)."""
     if DOT == 5:
         return mm(a, b, 4)
     else:
