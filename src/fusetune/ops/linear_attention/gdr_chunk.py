@@ -387,16 +387,21 @@ def _bf16_operand(x):
 @triton.jit
 def mm(a, b, DOT: tl.constexpr):
     """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``; 4: fp32 operands rounded to tf32;
-    5: fp32 operands rounded to bf16, one bf16 product, fp32 accumulation) or IEEE fp32 FMA (2).
-    Operands are fp32 tiles or input tiles in their own dtype (fp32, fp16, bf16); two 16-bit
-    input tiles always take one 16-bit product."""
+    5: fp32 operands rounded to bf16, one bf16 product, fp32 accumulation; computed as (b^T
+    a^T)^T where b has under 64 columns, so that no [*, 32] bf16 tile is a wgmma B operand: at
+    K = V = 128 that is bwd_pairs' T^T dD alone, at small V also wy's and output's value
+    blocks) or IEEE fp32 FMA (2). Operands are fp32 tiles or input tiles in their own dtype
+    (fp32, fp16, bf16); two 16-bit input tiles always take one 16-bit product."""
     if DOT == 4 and (a.dtype == tl.float32 or b.dtype == tl.float32):
         if EMULATE_TF32:
             return tl.dot(_tf32_truncate(a), _tf32_truncate(b), input_precision="ieee")
         else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     elif DOT == 5 and (a.dtype == tl.float32 or b.dtype == tl.float32):
-        return _dot_inputs(_bf16_operand(a), _bf16_operand(b))
+        if b.shape[1] < 64:  # a narrow bf16 B operand: transposed, as mm_state (H100 faults)
+            return tl.trans(_dot_inputs(_bf16_operand(tl.trans(b)), _bf16_operand(tl.trans(a))))
+        else:
+            return _dot_inputs(_bf16_operand(a), _bf16_operand(b))
     else:
         return mm_exact(a, b, DOT)
 
@@ -783,9 +788,7 @@ def bwd_pairs_kernel(
         dDc = tl.load(dd_tile, mask=mtv, other=0.0)
         dP += mm(dO_in, tl.trans(Dc), DOT)
         dDD += mm(dDc, tl.trans(Dc), DOT)
-        # (bf16 mode: transposed, as mm_state does, so that the narrow dD block is no bf16
-        # [BT, BVA] wgmma B operand, the sequential kernels' old fault shape)
-        dvb = mm_state(tl.trans(Tinv), dDc, DOT == 5, DOT)
+        dvb = mm(tl.trans(Tinv), dDc, DOT)
         tl.store(dd_tile, dvb, mask=mtv)
         dbeta += tl.sum(v_in.to(tl.float32) * dvb, axis=1)
         tl.store(dv + i_b * sdv_b + i_h * sdv_h + rows[:, None] * sdv_t + cv[None, :],
