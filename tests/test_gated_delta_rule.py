@@ -382,9 +382,12 @@ def test_dot_mode_names(monkeypatch):
     assert gdr_chunk.dot_mode(torch.bfloat16, 101376) == 3  # consumer parts: tf32 does not fit
     monkeypatch.setenv("FUSETUNE_GDR_DOT", "ieee")
     assert gdr_chunk.dot_mode(torch.bfloat16) == 2
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "bf16")
+    assert gdr_chunk.dot_mode(torch.bfloat16) == gdr_chunk.dot_mode(torch.bfloat16, 101376) == 5
     for refused in ("tf32x3", "bf16x6"):
         monkeypatch.setenv("FUSETUNE_GDR_DOT", refused)
-        with pytest.raises(ValueError, match=rf"'ieee', 'split3', 'tf32'\), got '{refused}'"):
+        match = rf"FUSETUNE_GDR_DOT must be .*'tf32', 'bf16'\), got '{refused}'"
+        with pytest.raises(ValueError, match=match):
             gdr_chunk.dot_mode(torch.float32)
 
 
@@ -430,13 +433,13 @@ def test_sequential_products_bf16_for_bf16_inputs_only(monkeypatch):
     assert gdr_chunk.sequential_bf16(torch.bfloat16, tf32) == 2
     for dtype, dot in ((torch.bfloat16, split3), (torch.float16, split3), (torch.float32, tf32)):
         assert gdr_chunk.sequential_bf16(dtype, dot) == 0
-    levels = {"w": 1, "fp32": 0, "auto": 2}
+    levels = {"w": 1, "fp32": 0, "auto": 2, "d": 3}
     for mode, level in levels.items():
         monkeypatch.setenv("FUSETUNE_GDR_W", mode)
         assert gdr_chunk.sequential_bf16(torch.bfloat16, tf32) == level
         assert gdr_chunk.sequential_bf16(torch.float16, split3) == 0
     monkeypatch.setenv("FUSETUNE_GDR_W", "bf16")
-    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_W must be one of .*got 'bf16'"):
+    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_W must be one of .*'d'\), got 'bf16'"):
         gdr_chunk.sequential_bf16(torch.bfloat16, tf32)
     monkeypatch.delenv("FUSETUNE_GDR_W")
     monkeypatch.delenv("FUSETUNE_GDR_DOT", raising=False)
@@ -447,15 +450,119 @@ def test_sequential_products_bf16_for_bf16_inputs_only(monkeypatch):
     assert sorted(w_bufs, key=str) == want, allocated
 
 
-@pytest.mark.parametrize("level", ["w", "fp32"])
-def test_sequential_products_levels(monkeypatch, level):
-    """FUSETUNE_GDR_W's other levels (kept for timing) within bf16's tolerance: grouped heads,
+@pytest.mark.parametrize(
+    "dot,level", [("auto", "w"), ("auto", "fp32"), ("auto", "d"), ("bf16", "auto"), ("bf16", "d")]
+)
+def test_sequential_products_levels(monkeypatch, dot, level):
+    """FUSETUNE_GDR_W's other levels (kept for timing; d: bf16 writes D) and the opt-in bf16
+    products (FUSETUNE_GDR_DOT=bf16, FLA's precision) within bf16's tolerance: grouped heads,
     l2norm, several chunks and value blocks, an initial state."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", dot)
     monkeypatch.setenv("FUSETUNE_GDR_W", level)
     monkeypatch.setattr(gdr_chunk, "BWD_BLOCK_V", 16)
     inputs = make_inputs(batch=1, seq_len=40, key_heads=2, value_heads=4, key_dim=32,
                          value_dim=40, unit_keys=False)  # fmt: skip
     run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
+
+
+class LaunchSpy:
+    """A chunk kernel that records each launch's DOT, SEQ_BF16 and d_buf dtype (where it has
+    them) into ``seen`` before launching."""
+
+    def __init__(self, name, seen) -> None:
+        self.name, self.seen, self.kernel = name, seen, getattr(gdr_chunk, name)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            names = self.kernel.arg_names
+            d_buf = args[names.index("d_buf")].dtype if "d_buf" in names else None
+            self.seen.append((self.name, kwargs["DOT"], kwargs.get("SEQ_BF16"), d_buf))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+CHUNK_KERNELS = ("wy_kernel", "states_kernel", "output_kernel", "dstates_kernel",
+                 "bwd_pairs_kernel", "bwd_chunk_kernel")  # fmt: skip
+
+
+@pytest.mark.parametrize("dot,level", [("auto", "auto"), ("bf16", "auto"), ("auto", "d"),
+                                       ("bf16", "d")])  # fmt: skip
+def test_bf16_modes_reach_the_kernels(monkeypatch, dot, level):
+    """FUSETUNE_GDR_DOT=bf16 and FUSETUNE_GDR_W=d, read at every call, reach what a bf16
+    forward and backward launch: every chunk kernel gets DOT 5 (4, tf32, by default); with W=d
+    the sequential kernels get level 3 and the writes D a bf16 buffer, read by output_kernel
+    and both backward per-chunk kernels (fp32 by default)."""
+    seen = []
+    for name in CHUNK_KERNELS:
+        monkeypatch.setattr(gdr_chunk, name, LaunchSpy(name, seen))
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", dot)
+    monkeypatch.setenv("FUSETUNE_GDR_W", level)
+    _, uses = bf16_run_allocations(monkeypatch, seq_len=40, key_dim=32, value_dim=24)
+    if not uses:
+        assert seen == []
+        return
+    assert sorted({name for name, *_ in seen}) == sorted(CHUNK_KERNELS)
+    assert {dot_ for _, dot_, _, _ in seen} == {5 if dot == "bf16" else 4}
+    assert {seq for _, _, seq, _ in seen if seq is not None} == {3 if level == "d" else 2}
+    d_dtypes = {d for _, _, _, d in seen if d is not None}
+    assert d_dtypes == {torch.bfloat16 if level == "d" else torch.float32}
+
+
+def test_bad_modes_named_by_the_op(monkeypatch):
+    """A bad FUSETUNE_GDR_DOT or FUSETUNE_GDR_W value fails the call itself with a ValueError
+    naming the variable (both are read at every call, not at import)."""
+    inputs = make_inputs(batch=1, seq_len=5, initial_state=False)
+    args = [inputs[n].to(DEVICE, torch.bfloat16) for n in ("q", "k", "v", "g", "beta")]
+    if not uses_kernels(args[0]):
+        pytest.skip("the reference path reads neither variable")
+    for name in ("FUSETUNE_GDR_DOT", "FUSETUNE_GDR_W"):
+        with monkeypatch.context() as env:
+            env.setenv(name, "bf8")
+            with pytest.raises(ValueError, match=rf"{name} must be .*got 'bf8'"):
+                fusetune.gated_delta_rule(*args)
+
+
+@triton.jit
+def _rounding_kernel(a, g, inverse, decays, DOT: tl.constexpr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tile = r[:, None] * N + r[None, :]
+    A = tl.where(r[:, None] > r[None, :], tl.load(a + tile), 0.0)
+    tl.store(inverse + tile, gdr_chunk._unit_lower_inverse(A, r, N, DOT))
+    tl.store(decays + tile, gdr_chunk._decays(tl.load(g + r), r, False, DOT))
+
+
+def test_bf16_products():
+    """FUSETUNE_GDR_DOT=bf16's product (mode 5): each fp32 operand rounded to the nearest bf16
+    (torch's rounding) and the sum exact to fp32 accumulation, for fp32 with fp32 and with a
+    bf16 input tile (tf32 mode, 2 more mantissa bits, fails this); two bf16 tiles keep their
+    exact product. The exceptions keep tf32 mode's values bit for bit: (I + A)^-1 by doubling
+    (tf32; in bf16 it would differ) and the decays from the gate sums (exact)."""
+    torch.manual_seed(3)
+    n = 32
+    a = torch.randn(n, n) * torch.exp2(torch.randint(-8, 8, (n, n)).float())
+    b16 = torch.randn(n, n).bfloat16()
+    for x, y in ((a, a.T.contiguous()), (a, b16), (a.bfloat16(), b16)):
+        rounded = x.bfloat16().double() @ y.bfloat16().double()
+        bound = 2.0**-20 * (x.double().abs() @ y.double().abs())
+        for dot in (5, 4):
+            c = torch.empty(n, n, device=DEVICE)
+            _mm_kernel[(1,)](x.to(DEVICE), y.to(DEVICE), c, DOT=dot, N=n)
+            within = ((c.cpu().double() - rounded).abs() <= bound).all()
+            assert within == (dot == 5 or x.dtype == torch.bfloat16), (dot, x.dtype, y.dtype)
+    a = 0.1 * torch.randn(64, 64)
+    g = -torch.rand(64) * 3
+    results = {}
+    for dot in (4, 5):
+        inverse, decays = torch.empty(64, 64, device=DEVICE), torch.empty(64, 64, device=DEVICE)
+        _rounding_kernel[(1,)](a.to(DEVICE), g.to(DEVICE), inverse, decays, DOT=dot, N=64)
+        results[dot] = inverse.cpu(), decays.cpu()
+    assert torch.equal(results[4][0], results[5][0])
+    assert torch.equal(results[4][1], results[5][1])
+    unit_lower = torch.eye(64).double() + torch.tril(a, -1).double()
+    assert_close("inverse", torch.linalg.inv(unit_lower), results[5][0], 1e-3)
 
 
 def test_backward_side_stream_modes(monkeypatch):
@@ -528,7 +635,12 @@ def test_other_mode_varlen(monkeypatch, mode):
 
 
 # tf32 products are bf16's mode: fp32 inputs through them would miss fp32's 5e-5 (2e-3 on o).
-MODE_DTYPES = {"ieee": torch.float32, "split3": torch.float32, "tf32": torch.bfloat16}
+MODE_DTYPES = {
+    "ieee": torch.float32,
+    "split3": torch.float32,
+    "tf32": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 @pytest.mark.parametrize("mode", list(gdr_chunk.DOT_MODES))
@@ -614,6 +726,19 @@ def test_strong_decays_gpu(dtype):
         decay_scale=16.0,
     )
     run_check(inputs, dtype, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1000, K = V = 128")
+@pytest.mark.parametrize("level", ["auto", "d"])
+@pytest.mark.parametrize("decay_scale", [1.0, 16.0], ids=["mild", "strong"])
+def test_bf16_products_long_gpu(monkeypatch, level, decay_scale):
+    """FUSETUNE_GDR_DOT=bf16 (and bf16 D, W=d) at Qwen3.5's head sizes, compiled: l2norm,
+    grouped heads, T = 1000, the models' decays and strong ones (exp(g) down to 1e-7)."""
+    monkeypatch.setenv("FUSETUNE_GDR_DOT", "bf16")
+    monkeypatch.setenv("FUSETUNE_GDR_W", level)
+    inputs = make_inputs(batch=2, seq_len=1000, key_heads=2, value_heads=4, key_dim=128,
+                         value_dim=128, unit_keys=False, decay_scale=decay_scale)  # fmt: skip
+    run_check(inputs, torch.bfloat16, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only")

@@ -27,15 +27,15 @@ from fusetune.reference.gated_delta_rule import gated_delta_rule as reference
 
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 # (FUSETUNE_GDR_W, FUSETUNE_GDR_DOT) settings, those this checkout has (W=d and DOT=bf16: branch
-# gdr-bf16-d)
+# gdr-experiments), those a sweep of the same checkout compiled first (gpu_pending.sh gdr-exp)
 SETTINGS = [
     (w, dot)
     for w, dot in (
         ("auto", "auto"),
-        ("d", "auto"),
-        ("fp32", "auto"),
         ("auto", "bf16"),
         ("d", "bf16"),
+        ("d", "auto"),
+        ("fp32", "auto"),
     )
     if w in gdr_chunk.W_MODES and (dot == "auto" or dot in gdr_chunk.DOT_MODES)
 ]
@@ -68,23 +68,23 @@ def main() -> None:
                            dtype=torch.float64)  # fmt: skip
     wide = [leaf.detach().double().requires_grad_() for leaf in leaves]
     want = outputs_and_grads(reference, wide, grad_out)
-    rows = {}
-    for w, dot in SETTINGS:
-        os.environ["FUSETUNE_GDR_W"], os.environ["FUSETUNE_GDR_DOT"] = w, dot
-        rows[f"fusetune, W={w} DOT={dot}"] = relative_errors(
-            outputs_and_grads(fusetune.gated_delta_rule, leaves, grad_out), want
-        )
-    os.environ.pop("FUSETUNE_GDR_W")
-    os.environ.pop("FUSETUNE_GDR_DOT")
-    fla = _fla_chunk() if device.type == "cuda" else None
-    if fla is not None:
-        name, chunk = fla
-        rows[name] = relative_errors(outputs_and_grads(chunk, leaves, grad_out), want)
     shape = f"B{args.batch} T{args.seq_len} H{args.heads} D{args.dim}"
     print(f"{shape} bf16 l2norm, max |x - x64| / max |x64| ({device.type})")
-    print(f"{'provider':52s} " + " ".join(f"{name:>8s}" for name in NAMES))
-    for provider, errors in rows.items():
-        print(f"{provider:52s} " + " ".join(f"{error:8.1e}" for error in errors))
+    print(f"{'provider':52s} " + " ".join(f"{name:>8s}" for name in NAMES), flush=True)
+
+    def row(provider: str, errors: list[float]) -> None:  # each as it ends (a bounded call)
+        print(f"{provider:52s} " + " ".join(f"{error:8.1e}" for error in errors), flush=True)
+
+    for w, dot in SETTINGS:
+        os.environ["FUSETUNE_GDR_W"], os.environ["FUSETUNE_GDR_DOT"] = w, dot
+        got = outputs_and_grads(fusetune.gated_delta_rule, leaves, grad_out)
+        row(f"fusetune, W={w} DOT={dot}", relative_errors(got, want))
+    os.environ.pop("FUSETUNE_GDR_W")
+    os.environ.pop("FUSETUNE_GDR_DOT")
+    fla = _fla_chunk() if device.type == "cuda" else None  # (None, with a note, without FLA)
+    if fla is not None:
+        name, chunk = fla
+        row(name, relative_errors(outputs_and_grads(chunk, leaves, grad_out), want))
 
 
 if __name__ == "__main__":

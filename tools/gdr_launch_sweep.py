@@ -34,6 +34,10 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # with bf16 products only where W is an operand, and the fp32 W / tf32 path before it
     "bf16 W products only": {"env": {"FUSETUNE_GDR_W": "w"}},
     "fp32 W, tf32 (before)": {"env": {"FUSETUNE_GDR_W": "fp32"}},
+    # the opt-in precision trades (branch gdr-experiments): every per-chunk product with its fp32
+    # operand rounded to bf16 (FLA's precision), and the writes D stored in bf16 on top
+    "bf16 products": {"env": {"FUSETUNE_GDR_DOT": "bf16"}},
+    "bf16 products, bf16 D": {"env": {"FUSETUNE_GDR_DOT": "bf16", "FUSETUNE_GDR_W": "d"}},
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},
@@ -110,8 +114,11 @@ def main() -> None:
         gdr_chunk.output_block = overrides.get("output_block", OUTPUT_BLOCK)
         try:
             # the row's environment only while it runs (the launcher reads it at every call)
-            with mock.patch.dict(os.environ, overrides.get("env", {})):
-                fwd_bwd, fwd_only = make_run(ours(leaves, "tf32", True), leaves, grad_out)
+            env = overrides.get("env", {})
+            with mock.patch.dict(os.environ, env):
+                # (``ours`` sets FUSETUNE_GDR_DOT at every call: the row's, else tf32)
+                dot = env.get("FUSETUNE_GDR_DOT", "tf32")
+                fwd_bwd, fwd_only = make_run(ours(leaves, dot, True), leaves, grad_out)
                 both = [timed(fwd_bwd, args.repeats) for _ in range(2)]
                 fwd = timed(fwd_only, args.repeats)
                 torch.cuda.reset_peak_memory_stats()

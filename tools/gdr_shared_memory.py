@@ -5,7 +5,8 @@ launcher's settings (stages, warps, value blocks), for checking NOTES.md's figur
     python tools/gdr_shared_memory.py 128                 # K = V = 128 (chunk 64), IEEE, fp32
     python tools/gdr_shared_memory.py 256 split3 bf16     # K = V = 256 (chunk 32), split3, bf16
 
-The second argument is the products' mode (ieee | split3: FUSETUNE_GDR_DOT), the third the
+The second argument is the products' mode (ieee | split3 | tf32 | bf16: FUSETUNE_GDR_DOT; bf16
+compiles with tf32's launch settings, as the launcher runs it), the third the
 dtype of the inputs q, k, v, beta and dO (fp32 | bf16 | fp16; the 16-bit ones take 16-bit
 tensor-core products in split3 mode), or l2norm: bf16 with the kernels normalising q and k rows
 (L2NORM), as the models call it (use_qk_l2norm_in_kernel). A fourth argument
@@ -13,7 +14,11 @@ tensor-core products in split3 mode), or l2norm: bf16 with the kernels normalisi
 divisible by 16 (Triton 3.6's LLVM aborted on GSA's recurrent kernels only with these hints).
 W and the sequential kernels' products follow the launcher's rule (``gdr_chunk.sequential_bf16``:
 bf16 in tf32 mode with bf16 inputs); FUSETUNE_GDR_W=fp32 compiles them as before (fp32 W, tf32),
-FUSETUNE_GDR_W=w with bf16 W and bf16 products only where W is an operand.
+FUSETUNE_GDR_W=w with bf16 W and bf16 products only where W is an operand, FUSETUNE_GDR_W=d
+with the writes D (d_buf) in bf16 too.
+
+    PYTHONPATH=/tmp/t36:src python tools/gdr_shared_memory.py 128 tf32 l2norm hints  # default
+    PYTHONPATH=/tmp/t36:src python tools/gdr_shared_memory.py 128 bf16 l2norm hints
 
 Takes minutes on a CPU (the IEEE-product kernels compile slowly). H100 limit: 232448 bytes.
 """
@@ -76,6 +81,9 @@ def compile_kernel(
         elif name == "w_buf":  # the launcher's (FUSETUNE_GDR_W=fp32: fp32)
             bf16 = gdr_chunk.w_dtype(seq_bf16(dtype, consts["DOT"])) == torch.bfloat16
             signature[name] = "*bf16" if bf16 else "*fp32"
+        elif name == "d_buf":  # the launcher's (FUSETUNE_GDR_W=d: bf16)
+            bf16 = gdr_chunk.d_dtype(seq_bf16(dtype, consts["DOT"])) == torch.bfloat16
+            signature[name] = "*bf16" if bf16 else "*fp32"
         else:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=num_stages)
@@ -117,7 +125,8 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     state_bv = 32 if dim <= 128 else 16  # gdr_recurrent.block_v
     bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
     base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
-    per_chunk = 4 if mode == "tf32" else 8  # the launcher's warps for wy and output
+    tf32 = gdr_chunk.tf32_buffers(DOTS[mode])  # (tf32 and bf16 products)
+    per_chunk = 4 if tf32 else 8  # the launcher's warps for wy and output
     sequential = seq_bf16(dtype, DOTS[mode])  # bf16 W and products (FUSETUNE_GDR_W)
     jobs = [
         ("wy_kernel", gdr_chunk.wy_kernel, dict(base, BV=min(dim, 64), LOCAL_DD=False), per_chunk),
@@ -146,7 +155,7 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     # the launcher's stages: 2 for the sequential kernels with bf16 products and for the two
     # backward per-chunk kernels with tf32 products, else 1
     two = {"states_kernel": sequential, "dstates_kernel": sequential}
-    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel"), mode == "tf32"))
+    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel"), tf32))
     for name, kernel, consts, warps in jobs:
         stages = 2 if two.get(name) else 1
         compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages)

@@ -65,6 +65,16 @@
 #     bf16 o and gradients against float64 (B2 T2048 H4 D128) for each FUSETUNE_GDR_W /
 #     FUSETUNE_GDR_DOT setting the checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
 #     under Triton 3.6 is the one its own guard refuses).
+#   bash tools/gpu_pending.sh gdr-exp   1 GPU, no carry (under 560 s, every step bounded; first
+#     call on a fresh machine: the kernels compile cold): branch gdr-experiments' opt-in modes,
+#     FUSETUNE_GDR_DOT=bf16 (FLA's precision) and FUSETUNE_GDR_W=d (bf16 D), none run on a GPU
+#     yet. (1) The sweep rows launcher's settings / bf16 products / bf16 products, bf16 D at B4
+#     T4096 then B1 T32768 (median of 3; the modes' speed against FLA's 4.11 / 6.39 ms). (2) The
+#     GDR GPU tests under the default (the file's own bf16-products cases set the modes: T1000
+#     D128 mild and strong decays, with and without W=d, and the CPU ones compiled). (3)
+#     tools/gdr_accuracy.py (B2 T2048 H4 D128 against float64, each W / DOT setting, a row as it
+#     ends; no FLA row without .peers). (4) With 60 s or more left, the file's bf16 cases again
+#     with FUSETUNE_GDR_DOT=bf16 forced on them (the test_matrix bf16 column among them).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
@@ -139,6 +149,28 @@ if [ "${1:-}" = gdr-accuracy ]; then  # bf16 errors against float64, fusetune's 
   bash tools/install_carried.sh .peers >/dev/null 2>&1
   export PYTHONPATH=src:tools:/tmp/site
   timeout 300 python3 tools/gdr_accuracy.py 2>&1 | tee "$OUT/gdr-accuracy.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-exp ]; then  # the opt-in bf16 products / bf16 D: speed, tests, accuracy
+  export PYTHONPATH=src:tests:tools
+  rows=(--only "launcher's settings" --only "bf16 products" --only "bf16 products, bf16 D")
+  # (B4 compiles the three settings' kernels cold; B1 finds them in Triton's cache)
+  timeout 170 python3 tools/gdr_launch_sweep.py --repeats 3 --batch 4 --seq-len 4096 \
+    "${rows[@]}" 2>&1 | tee -a "$OUT/gdr-exp-sweep.log"
+  timeout 75 python3 tools/gdr_launch_sweep.py --repeats 3 --batch 1 --seq-len 32768 \
+    "${rows[@]}" 2>&1 | tee -a "$OUT/gdr-exp-sweep.log"
+  echo "sweep done at $SECONDS s" | tee -a "$OUT/gdr-exp-sweep.log"
+  # (-v: each test's result as it ends, so that a run cut by its bound still says which passed)
+  timeout 215 python3 -m pytest -v -p no:cacheprovider -n 14 tests/test_gated_delta_rule.py \
+    2>&1 | tee "$OUT/gdr-exp-tests.log" | tail -4
+  echo "tests done at $SECONDS s" | tee -a "$OUT/gdr-exp-tests.log"
+  timeout 85 python3 tools/gdr_accuracy.py 2>&1 | tee "$OUT/gdr-exp-accuracy.log"
+  left=$((555 - SECONDS))  # (the bounds above sum to 545 s)
+  if [ "$left" -ge 60 ]; then  # the file's bf16 cases with the bf16 products forced
+    FUSETUNE_GDR_DOT=bf16 timeout "$left" python3 -m pytest -v -p no:cacheprovider -n 14 \
+      tests/test_gated_delta_rule.py -k bf16 2>&1 | tee "$OUT/gdr-exp-tests-forced.log" | tail -4
+  fi
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -102,7 +102,7 @@ class _ChunkRun:
         # (I + A)^-1 per chunk, for the backward's bwd_pairs_kernel, which leaves dKK + dKK^T
         # over it for bwd_chunk_kernel (the forward forms W and U from T inside wy_kernel)
         self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
-        self.d_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U, then the writes D
+        self.u_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U (wy_kernel's)
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         # the sequential kernels' per-token and per-chunk factors (wy_kernel's): a key's decay
         # to its chunk's end times 1 / ||k||, scale e^G / ||q|| (backward), e^G_last a chunk
@@ -115,6 +115,10 @@ class _ChunkRun:
         # bf16 ones too (gdr_chunk.sequential_bf16; FUSETUNE_GDR_W=fp32: fp32 W, tf32)
         seq_bf16 = gdr_chunk.sequential_bf16(v.dtype, dot)
         self.w_buf = _utils.empty((*rows, plan.key_dim), gdr_chunk.w_dtype(seq_bf16), device)
+        # The writes D = U - W S0: over U in place, or beside it in bf16 (FUSETUNE_GDR_W=d)
+        d_dtype = gdr_chunk.d_dtype(seq_bf16)
+        self.d_buf = (self.u_buf if d_dtype == f32
+                      else _utils.empty(self.u_buf.shape, d_dtype, device))  # fmt: skip
         # Each chunk's start state (and in the backward the state gradient) as stored for the
         # per-chunk kernels: in bf16 for bf16 inputs (tf32 products), as FLA stores them; the
         # sequential kernels carry the states in fp32 and round each chunk's copy once.
@@ -140,7 +144,7 @@ class _ChunkRun:
         # H16 D128 bf16 fwd+bwd 13.28 -> 12.33 ms: tools/gdr_launch_sweep.py); bwd_chunk at 4
         # was slower (14.08).
         self.wide = dict(self.common, num_warps=8)
-        tf32 = dot == gdr_chunk.DOT_MODES["tf32"]
+        tf32 = gdr_chunk.tf32_buffers(dot)  # (bf16 products too)
         self.per_chunk = self.common if tf32 else self.wide  # wy_kernel, output_kernel
         # The backward's two per-chunk kernels: with tf32 products bwd_pairs at 4 warps and
         # both prefetching the next value block (2 stages; same shared memory, no more spill
@@ -180,8 +184,8 @@ class _ChunkRun:
         local = do is not None
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
         gdr_chunk.wy_kernel[self.chunk_grid](
-            q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.d_buf,
-            dd_buf if local else self.d_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
+            q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.u_buf,
+            dd_buf if local else self.u_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
             self.decay_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
             *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
             plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
@@ -189,10 +193,10 @@ class _ChunkRun:
         )
 
     def sequential_states(self, plan, k, h0, hT, cu_arg) -> None:
-        """Every chunk's start state into h_buf and its writes D over U (and hT)."""
+        """Every chunk's start state into h_buf and its writes D into d_buf (and hT)."""
         gdr_chunk.states_kernel[self.column_grid](
-            k, self.kd_buf, self.decay_buf, self.w_buf, self.d_buf, self.h_buf,
-            self.d_buf if h0 is None else h0, self.d_buf if hT is None else hT, cu_arg,
+            k, self.kd_buf, self.decay_buf, self.w_buf, self.u_buf, self.d_buf, self.h_buf,
+            self.u_buf if h0 is None else h0, self.u_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
             HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
             **self.states_launch,
@@ -229,7 +233,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         return (*_input_grads(plan, q, k, v), dh0)
     run = _ChunkRun(plan, v, l2norm, backward=True)
     cu_arg = do if cu is None else cu
-    dd_buf = _utils.empty(run.d_buf.shape, f32, device)
+    dd_buf = _utils.empty(run.u_buf.shape, f32, device)
     run.wy(plan, k, v, g, beta, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
     dh_buf = _utils.empty(run.state_shape, run.grad_dtype, device)
     # The states' recompute and dstates read only wy_kernel's outputs and the inputs (dstates
@@ -251,7 +255,9 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     )
     if side is not None:  # (before any buffer the side stream reads is freed)
         torch.cuda.current_stream(device).wait_stream(side)
-    run.w_buf = None  # freed before the gradients' buffers are allocated: no peak holds both
+    # freed before the gradients' buffers are allocated: no peak holds both (u_buf is d_buf
+    # itself but with FUSETUNE_GDR_W=d)
+    run.w_buf = run.u_buf = None
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
     # (the token-pair gradients dQK; dKK + dKK^T goes over T in t_buf)

@@ -18,7 +18,8 @@ inputs W is stored in bf16 too and the sequential kernels' products are bf16 one
 operand rounded to bf16 for its product alone (``sequential_bf16``).
 Products are fp32-exact (``mm``, ``DOT``): tensor cores (3, the default,
 ``FUSETUNE_GDR_DOT=split3``: input tiles enter in their own dtype, fp32 operands as two tf32
-halves) or IEEE FMA (2, ``ieee``).
+halves) or IEEE FMA (2, ``ieee``); for bf16 inputs tf32 (4), and opt-in bf16 (5,
+``FUSETUNE_GDR_DOT=bf16``: fp32 operands rounded to bf16, FLA's precision; ``dot_mode``).
 Where an input meets a per-token factor, the factor moves onto the other operand
 (W = (T diag(beta e^G)) K, U = (T diag(beta)) V, (e^G Q) S0 = diag(e^G) (Q S0)) so that the
 input stays a 16-bit tile. exp arguments are <= 0. The models' l2norm of q and k (L2NORM) is
@@ -126,7 +127,14 @@ def output_block(value_block: int) -> int:
     return min(value_block, 64)
 
 
-DOT_MODES = {"ieee": 2, "split3": 3, "tf32": 4}
+DOT_MODES = {"ieee": 2, "split3": 3, "tf32": 4, "bf16": 5}
+
+
+def tf32_buffers(dot: int) -> bool:
+    """Whether mode ``dot`` takes tf32 mode's buffers and launch settings (bf16 S0 / dS copies,
+    bf16 W and sequential products, the launcher's warps and stages): tf32 and bf16 products,
+    whose fp32 operands are rounded either way (bf16 mode rounds further: ``dot_mode``)."""
+    return dot in (DOT_MODES["tf32"], DOT_MODES["bf16"])
 
 
 # bwd_chunk_kernel's shared memory with tf32 products at K = V = 128, compiled offline (Triton
@@ -145,8 +153,12 @@ def dot_mode(dtype: torch.dtype, shared_memory: int | None = None) -> int:
     rounding (2^-11) is 4x finer than bf16's own (2^-8), while fp16's 11-bit mantissa is finer
     than tf32's (tf32 there cost GSA 1.5e-2 on dg). The gate sums and dg's span sums stay split
     in every tensor-core mode (``mm_exact``): exp and dg's cancellations amplify their rounding.
-    ``FUSETUNE_GDR_DOT=ieee|split3|tf32`` forces one mode for every dtype (ieee: IEEE fp32 FMA,
-    12x slower at Qwen3.5's sizes, kept as the second oracle). Triton's own
+    ``FUSETUNE_GDR_DOT=ieee|split3|tf32|bf16`` forces one mode for every dtype (ieee: IEEE fp32
+    FMA, 12x slower at Qwen3.5's sizes, kept as the second oracle; bf16 (5), an opt-in trade of
+    exactness for speed: tf32's buffers and launch settings, but each per-chunk product's fp32
+    operand rounded to bf16 in registers, one bf16 tensor-core product with fp32 accumulation,
+    FLA's precision; the gate sums stay ``mm_exact`` and (I + A)^-1's doubling tf32, ``mm_tf32``,
+    as the inverse's products compound; see ``mm``). Triton's own
     input_precision="tf32x3" is not used: under Triton 3.6 it faulted on small shapes (see
     min_block), and a bf16x6 mode faulted at K = 128."""
     mode = os.environ.get("FUSETUNE_GDR_DOT", "auto")
@@ -168,10 +180,11 @@ def state_dtype(dtype: torch.dtype, dot: int, gradient: bool = False) -> torch.d
     exact in the products it feeds: with a bf16 input tile (Q S0, dO S0^T) a bf16
     tensor-core product, with an fp32 tile tf32's (bf16's 8 mantissa bits fit tf32's 10).
     Half the memory and traffic of the largest buffers (B4 T4096 H16 D128: 256 MiB each)."""
-    return torch.bfloat16 if dtype == torch.bfloat16 and dot == DOT_MODES["tf32"] else torch.float32
+    bf16 = dtype == torch.bfloat16 and tf32_buffers(dot)
+    return torch.bfloat16 if bf16 else torch.float32
 
 
-W_MODES = {"fp32": 0, "w": 1, "auto": 2}
+W_MODES = {"fp32": 0, "w": 1, "auto": 2, "d": 3}
 
 
 def sequential_bf16(dtype: torch.dtype, dot: int) -> int:
@@ -189,11 +202,15 @@ def sequential_bf16(dtype: torch.dtype, dot: int) -> int:
     bf16's 1e-2. 0 otherwise (fp16 and fp32 inputs keep fp32 W and split products).
     ``FUSETUNE_GDR_W`` (read at every call, for timing them in one process): ``fp32`` = 0,
     fp32 W and tf32 products as before; ``w`` = 1, bf16 W and bf16 products with W only
-    (W S0, W^T dD), the products with q and k tf32 as before; ``auto`` the default."""
+    (W S0, W^T dD), the products with q and k tf32 as before; ``auto`` the default; ``d`` = 3,
+    level 2 with the writes D stored in bf16 too (``d_dtype``: beside the fp32 U that wy_kernel
+    writes, where level 2 turns U into D in place), so that the per-chunk kernels' dO D^T and D
+    dS^T are one bf16 product and D's reads half the bytes (an opt-in precision trade; with
+    FUSETUNE_GDR_DOT=bf16, whose products round D to bf16 anyway, it adds no error)."""
     mode = os.environ.get("FUSETUNE_GDR_W", "auto")
     if mode not in W_MODES:
         raise ValueError(f"FUSETUNE_GDR_W must be one of {tuple(W_MODES)}, got {mode!r}")
-    if dtype != torch.bfloat16 or dot != DOT_MODES["tf32"]:
+    if dtype != torch.bfloat16 or not tf32_buffers(dot):
         return 0
     return W_MODES[mode]
 
@@ -225,6 +242,11 @@ def backward_side_stream(device: torch.device, programs: int) -> torch.cuda.Stre
 def w_dtype(level: int) -> torch.dtype:
     """w_buf's dtype for a ``sequential_bf16`` level: bf16 from 1 up."""
     return torch.bfloat16 if level >= 1 else torch.float32
+
+
+def d_dtype(level: int) -> torch.dtype:
+    """The writes D's dtype (d_buf) for a ``sequential_bf16`` level: bf16 from 3 (W=d) up."""
+    return torch.bfloat16 if level >= 3 else torch.float32
 
 
 # The bf16 products' H100 faults (2026-11-27, Triton 3.6, never on a CPU: illegal address in
@@ -327,11 +349,12 @@ def mm_state(a, b, BF16: tl.constexpr, DOT: tl.constexpr):
     """A product of the sequential kernels (``sequential_bf16``): with BF16 one bf16
     tensor-core product, each fp32 operand rounded to bf16 for it alone (the caller keeps its
     fp32 value), the sum in fp32, computed as (b^T a^T)^T (b is the narrow [*, BV] block: M = BV
-    takes mma.sync; see the H100 faults above); else ``mm``."""
+    takes mma.sync; see the H100 faults above); else ``mm_tf32`` (the levels below 2 keep tf32
+    products, in bf16 mode too: there an untransposed bf16 product would meet those faults)."""
     if BF16:
         return tl.trans(_dot_inputs(to_bf16(tl.trans(b)), to_bf16(tl.trans(a))))
     else:
-        return mm(a, b, DOT)
+        return mm_tf32(a, b, DOT)
 
 
 @triton.jit
@@ -352,17 +375,47 @@ def _mm_split(a, b):
 
 
 @triton.jit
+def _bf16_operand(x):
+    """An fp32 tile rounded to bf16 for a bf16 product (``to_bf16``); a 16-bit input tile as it
+    is (an fp16 one then meets bf16 in ``_dot_inputs``' exact tf32 product)."""
+    if x.dtype == tl.float32:
+        return to_bf16(x)
+    else:
+        return x
+
+
+@triton.jit
 def mm(a, b, DOT: tl.constexpr):
-    """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``; 4: fp32 operands rounded to tf32)
-    or IEEE fp32 FMA (2). Operands are fp32 tiles or input tiles in their own dtype (fp32, fp16,
-    bf16); two 16-bit input tiles always take one 16-bit product."""
+    """fp32 ``a @ b``: tensor cores (DOT == 3: ``_mm_split``; 4: fp32 operands rounded to tf32;
+    5: fp32 operands rounded to bf16, one bf16 product, fp32 accumulation; computed as (b^T
+    a^T)^T where b has under 64 columns, so that no [*, 32] bf16 tile is a wgmma B operand: at
+    K = V = 128 that is bwd_pairs' T^T dD alone, at small V also wy's and output's value
+    blocks) or IEEE fp32 FMA (2). Operands are fp32 tiles or input tiles in their own dtype
+    (fp32, fp16, bf16); two 16-bit input tiles always take one 16-bit product."""
     if DOT == 4 and (a.dtype == tl.float32 or b.dtype == tl.float32):
         if EMULATE_TF32:
             return tl.dot(_tf32_truncate(a), _tf32_truncate(b), input_precision="ieee")
         else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif DOT == 5 and (a.dtype == tl.float32 or b.dtype == tl.float32):
+        if b.shape[1] < 64:  # a narrow bf16 B operand: transposed, as mm_state (H100 faults)
+            return tl.trans(_dot_inputs(_bf16_operand(tl.trans(b)), _bf16_operand(tl.trans(a))))
+        else:
+            return _dot_inputs(_bf16_operand(a), _bf16_operand(b))
     else:
         return mm_exact(a, b, DOT)
+
+
+@triton.jit
+def mm_tf32(a, b, DOT: tl.constexpr):
+    """``mm`` with bf16 mode's products at tf32 instead: for (I + A)^-1's doubling, whose ten
+    dependent products compound their operands' rounding into T (and so into W, U and every
+    gradient through them), where tf32's 10 mantissa bits are finer than bf16's 8; and for
+    the sequential kernels' products below level 2 (``mm_state``)."""
+    if DOT == 5:
+        return mm(a, b, 4)
+    else:
+        return mm(a, b, DOT)
 
 
 @triton.jit
@@ -452,7 +505,7 @@ def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
         if (2 << level) <= BT:
             in_pair = i // (2 << level) == j // (2 << level)
             L = tl.where(in_pair & (i // (1 << level) > j // (1 << level)), A, 0.0)
-            X = X - mm(mm(X, L, DOT), X, DOT)
+            X = X - mm_tf32(mm_tf32(X, L, DOT), X, DOT)
     return X
 
 
@@ -533,15 +586,16 @@ def wy_kernel(
 
 @triton.jit
 def states_kernel(
-    k, kd_buf, decay_buf, w_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
+    k, kd_buf, decay_buf, w_buf, u_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
 ):
     """Sequential over the chunks of one sequence, value head and block of value columns: store
-    each chunk's start state S0 [slot, HV, K, V] and turn wy_kernel's U in d_buf into the
-    writes D = U - W S0 [T, HV, V]. SEQ_BF16: W in bf16 from 1, bf16 products with W from 1,
-    all from 2 (``sequential_bf16``)."""
+    each chunk's start state S0 [slot, HV, K, V] and turn wy_kernel's U into the writes D = U
+    - W S0 [T, HV, V]: over U in d_buf (u_buf unread), or at level 3 (FUSETUNE_GDR_W=d) into a
+    bf16 d_buf beside U in u_buf. SEQ_BF16: W in bf16 from 1, bf16 products with W from 1, all
+    from 2 (``sequential_bf16``); the state takes D in fp32 at every level."""
     i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
@@ -570,9 +624,15 @@ def states_kernel(
         k_in = tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mtk, other=0.0)
         Wc = tl.load(w_buf + buf_rows[:, None] * K + ck[None, :], mask=mtk, other=0.0)
         d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
-        Dc = tl.load(d_rows, mask=mtv, other=0.0) - mm_state(  # U - W S0
-            Wc, S, SEQ_BF16 >= 1, DOT)
-        tl.store(d_rows, Dc, mask=mtv)
+        if d_buf.dtype.element_ty == tl.bfloat16:  # (FUSETUNE_GDR_W=d: U apart, in fp32)
+            U = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        else:  # (D goes over U: u_buf unread, the code as before W=d)
+            U = tl.load(d_rows, mask=mtv, other=0.0)
+        Dc = U - mm_state(Wc, S, SEQ_BF16 >= 1, DOT)
+        if d_buf.dtype.element_ty == tl.bfloat16:  # to nearest (see to_bf16)
+            tl.store(d_rows, to_bf16(Dc), mask=mtv)
+        else:
+            tl.store(d_rows, Dc, mask=mtv)
         S = S * decay + mm_state(tl.trans(k_in), kd[:, None] * Dc, SEQ_BF16 >= 2, DOT)
     if STORE_HT:
         tl.store(hT + (i_n * HV + i_h) * K * V + tile, S, mask=mkv)
