@@ -85,6 +85,12 @@
 #     .git/info/exclude). Then `gdr-branch` on the winner before it merges: neither branch has
 #     run a GPU test.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
+#   bash tools/gpu_pending.sh moe-tma   1 GPU, no carry (under 560 s on a cold H100, each step
+#     bounded): issue 21's FUSETUNE_MOE_TMA=1 (expert weights, and sorted activation rows,
+#     through TMA), never run on a GPU. (1) tests/test_moe.py with the path forced on; (2)
+#     tools/tune_moe.py --tma: Qwen3-30B-A3B then gpt-oss-20b, LoRA r16 and frozen, fwd and
+#     fwd+bwd with the variable off / on alternated twice, then the CUDA time per kernel of each
+#     (LoRA). Default before: Qwen 5.77 ms (gate/up 1.30, GLU bwd 0.99, six mm 2.48).
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it);
@@ -258,6 +264,15 @@ if [ "${1:-}" = moe ]; then  # the gate/up kernel's single accumulator (n128 pro
   timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe.py 2>&1 \
     | tail -4 | tee "$OUT/moe-tests.log"
   timeout 330 python3 -m fusetune bench moe --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = moe-tma ]; then
+  export PYTHONPATH=src:tests:tools
+  FUSETUNE_MOE_TMA=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe.py \
+    2>&1 | tail -8 | tee "$OUT/moe-tma-tests.log"
+  timeout $((555 - SECONDS)) python3 tools/tune_moe.py --tma --shapes qwen3_moe,gpt_oss 2>&1 \
+    | tee "$OUT/moe-tma-bench.log"
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -29,10 +29,18 @@ Nothing uses atomics: results are deterministic. Not fused: the sort, offsets an
 kernels' loops would recompute them once per column tile), the K-sums of out and dx (torch),
 the bias part of d(w) (one [N, E] matmul).
 
+FUSETUNE_MOE_TMA=1 (opt-in, read per call; issue 21): the expert weights enter the gate/up
+forward, the GLU backward and the grouped mm through TMA (host tensor descriptors; Qwen's
+concatenated gate/up as one 4-d box of both halves), and so do the activation rows where they
+are already in sorted order (down forward, dx, the LoRA GEMMs of h / dgu); gathered rows
+(x[tok], dout[tok]) stay pointer loads. Weights whose strides TMA cannot take keep pointer loads.
+
 Layout: kernels, launchers, registered ops, autograd Function, public function.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -40,6 +48,11 @@ from fusetune import _utils
 from fusetune._triton import INTERPRET, dot, tl, triton
 from fusetune.reference import moe as reference
 from fusetune.reference.moe import Layout, MoeLora
+
+try:  # (Triton >= 3.3; absent only where Triton is, and then no kernel launches)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 ACTIVATION_CODES = {"swiglu": 0, "gpt_oss": 1}
 
@@ -106,6 +119,52 @@ def _gathered_mm(a_ptr, src, row_mask, a_stride, w_base, cols, col_mask, w_sk, w
 
 
 @triton.jit
+def _w_desc_tile(desc, expert, n0, k0, BN: tl.constexpr, BK: tl.constexpr, K_MAJOR: tl.constexpr,
+                 HALVES: tl.constexpr):
+    """[BK, BN] tile (columns n0.., rows k0..) of one expert's [n, k] matrix through its TMA
+    descriptor (zeros past the bounds: no masks). K_MAJOR: stored [E, n, k], else [E, k, n].
+    HALVES: the descriptor splits n into (2, n / 2) and the tile is BN / 2 columns from n0 of
+    each half (gate, then up): one 4-d TMA box, so both halves feed one n = BN product."""
+    if K_MAJOR:
+        if HALVES:
+            t = desc.load([expert, 0, n0, k0])
+        else:
+            t = desc.load([expert, n0, k0])
+        return tl.trans(tl.reshape(t, (BN, BK)))
+    else:
+        if HALVES:
+            t = desc.load([expert, k0, 0, n0])
+        else:
+            t = desc.load([expert, k0, n0])
+        return tl.reshape(t, (BK, BN))
+
+
+@triton.jit
+def _gathered_mm_tma(a_ptr, src, row_mask, a_stride, w_desc, expert, n0, k_in, valid,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                     UPCAST: tl.constexpr, K_MAJOR: tl.constexpr, HALVES: tl.constexpr,
+                     a_desc=None, A_TMA: tl.constexpr = False):
+    """_gathered_mm with the weight tile a TMA load (FUSETUNE_MOE_TMA=1). Gathered rows stay
+    pointer loads (Hopper's TMA has no row gather); A_TMA: the rows are a_desc's rows src[0]..
+    (already in sorted order), a TMA load too; rows of the next expert past the tile's end come
+    along and are never stored."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_stop = tl.where(valid, k_in, 0)
+    e = expert.to(tl.int32)
+    if A_TMA:
+        row0 = tl.min(src, axis=0).to(tl.int32)  # (src = the tile's rows, row0 + 0..BM-1)
+    for k0 in range(0, k_stop, BK):
+        if A_TMA:
+            a = a_desc.load([row0, k0])
+        else:
+            ks = k0 + tl.arange(0, BK)
+            a = _rows_tile(a_ptr, src, row_mask, a_stride, ks, ks < k_in)
+        w = _w_desc_tile(w_desc, e, n0, k0, BN, BK, K_MAJOR, HALVES)
+        acc = _mm(a, w, acc, IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
 def _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_base, lb_sn, lb_sr, cols, col_mask,
               rank, scaling, R: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + scaling * xa[rows] @ lb[cols]^T (xa [S, rank], lb one expert's [n, rank])."""
@@ -140,6 +199,12 @@ def _split_pairs(t, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _split_halves(t, BM: tl.constexpr, BN: tl.constexpr):
+    """(first BN columns, last BN columns) of a [BM, 2 BN] tile."""
+    return tl.split(tl.permute(tl.reshape(t, (BM, 2, BN)), (0, 2, 1)))
+
+
+@triton.jit
 def _join_pairs(even, odd, BM: tl.constexpr, BN: tl.constexpr):
     """[BM, 2 BN] tile with even columns from ``even`` and odd ones from ``odd``."""
     return tl.reshape(tl.join(even, odd), (BM, 2 * BN))
@@ -147,23 +212,30 @@ def _join_pairs(even, odd, BM: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _grouped_mm_kernel(
-    a_ptr, a_rows_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, scale_ptr, out_ptr, out_rows_ptr,
-    tiles_ptr, scaling, n_out, k_in, rank,
+    a_ptr, a_rows_ptr, a_desc, w_ptr, w_desc, xa_ptr, lb_ptr, bias_ptr, scale_ptr, out_ptr,
+    out_rows_ptr, tiles_ptr, scaling, n_out, k_in, rank,
     a_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, out_stride,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr,
     SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    W_TMA: tl.constexpr, K_MAJOR: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """out[dst(r)] = (a[src(r)] @ w[e]^T + s xa[r] lb[e]^T + bias[e]) * scale[r] for the rows r
-    of one tile of expert e; w[e] is [n_out, k_in] with any strides."""
+    of one tile of expert e; w[e] is [n_out, k_in] with any strides (W_TMA: read through
+    w_desc, see _w_desc_tile; A_TMA, not GATHER: a through a_desc too)."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, n_out, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < n_out
     src = rows
     if GATHER:
         src = tl.load(a_rows_ptr + rows, mask=row_mask, other=0)
-    acc = _gathered_mm(a_ptr, src, row_mask, a_stride, w_ptr + expert * w_se, cols, col_mask,
-                       w_sk, w_sn, k_in, valid, BM, BN, BK, IEEE, UPCAST)
+    if W_TMA:
+        acc = _gathered_mm_tma(a_ptr, src, row_mask, a_stride, w_desc, expert, pid_n * BN,
+                               k_in, valid, BM, BN, BK, IEEE, UPCAST, K_MAJOR, False, a_desc,
+                               A_TMA)
+    else:
+        acc = _gathered_mm(a_ptr, src, row_mask, a_stride, w_ptr + expert * w_se, cols,
+                           col_mask, w_sk, w_sn, k_in, valid, BM, BN, BK, IEEE, UPCAST)
     if LORA:
         acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se, lb_sn,
                         lb_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
@@ -182,19 +254,23 @@ def _grouped_mm_kernel(
 
 @triton.jit
 def _glu_forward_kernel(
-    x_ptr, tokens_ptr, w_ptr, xa_ptr, lb_ptr, bias_ptr, gu_ptr, h_ptr, tiles_ptr,
+    x_ptr, tokens_ptr, w_ptr, w_desc, xa_ptr, lb_ptr, bias_ptr, gu_ptr, h_ptr, tiles_ptr,
     scaling, alpha, limit, inter, hidden, rank, col_step, up_offset,
     x_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, gu_stride,
     h_stride,
     LORA: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, W_TMA: tl.constexpr,
+    K_MAJOR: tl.constexpr, HALVES: tl.constexpr,
 ):
     """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
     at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up).
     One accumulator over the BN (gate, up) pairs, split into gate and up in registers.
     INTERLEAVED: the pairs are 2 BN adjacent gu columns (contiguous weight loads: a stride-2
-    gather defeats vectorized / async loads)."""
+    gather defeats vectorized / async loads).
+    W_TMA: Wgu through w_desc (_w_desc_tile); with HALVES (W_TMA, not INTERLEAVED) the
+    accumulator holds the BN gate columns, then their BN up columns (a TMA box is rectangular:
+    it cannot interleave rows from the two halves)."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
@@ -210,11 +286,22 @@ def _glu_forward_kernel(
     if INTERLEAVED:  # (affine, mask too: Triton sees contiguous columns and vectorizes)
         pair_cols = pid_n * 2 * BN + c
         pair_mask = pair_cols < 2 * inter
+    elif HALVES:
+        pair_j = pid_n * BN + c % BN
+        pair_cols = pair_j * col_step + (c // BN) * up_offset
+        pair_mask = pair_j < inter
     else:
         pair_cols = pair_j * col_step + (c % 2) * up_offset
         pair_mask = pair_j < inter
-    acc = _gathered_mm(x_ptr, src, row_mask, x_stride, w_ptr + expert * w_se, pair_cols,
-                       pair_mask, w_sk, w_sn, hidden, valid, BM, 2 * BN, BK, IEEE, UPCAST)
+    if W_TMA:
+        n0 = pid_n * 2 * BN
+        if HALVES:
+            n0 = pid_n * BN
+        acc = _gathered_mm_tma(x_ptr, src, row_mask, x_stride, w_desc, expert, n0, hidden,
+                               valid, BM, 2 * BN, BK, IEEE, UPCAST, K_MAJOR, HALVES)
+    else:
+        acc = _gathered_mm(x_ptr, src, row_mask, x_stride, w_ptr + expert * w_se, pair_cols,
+                           pair_mask, w_sk, w_sn, hidden, valid, BM, 2 * BN, BK, IEEE, UPCAST)
     if LORA:
         acc = _lora_add(acc, xa_ptr, xa_stride, rows, row_mask, lb_ptr + expert * lb_se,
                         lb_sn, lb_sr, pair_cols, pair_mask, rank, scaling, R, IEEE, UPCAST)
@@ -225,7 +312,10 @@ def _glu_forward_kernel(
     if INTERLEAVED:  # (one contiguous store)
         tl.store(gu_ptr + gu_rows + pair_cols[None, :], pair,
                  mask=row_mask[:, None] & pair_mask[None, :])
-    gate, up = _split_pairs(pair.to(tl.float32), BM, BN)
+    if HALVES:
+        gate, up = _split_halves(pair.to(tl.float32), BM, BN)
+    else:
+        gate, up = _split_pairs(pair.to(tl.float32), BM, BN)
     if not INTERLEAVED:  # (gate and up each a contiguous store)
         gate_cols = cols * col_step
         tl.store(gu_ptr + gu_rows + gate_cols[None, :], gate.to(gu_ptr.dtype.element_ty),
@@ -239,23 +329,30 @@ def _glu_forward_kernel(
 
 @triton.jit
 def _glu_backward_kernel(
-    dout_ptr, tokens_ptr, w_ptr, gd_ptr, la_ptr, gu_ptr, scale_ptr, dgu_ptr, h_ptr, part_ptr,
+    dout_ptr, tokens_ptr, w_ptr, w_desc, gd_ptr, la_ptr, gu_ptr, scale_ptr, dgu_ptr, h_ptr,
+    part_ptr,
     tiles_ptr, scaling, alpha, limit, inter, hidden, rank, col_step, up_offset, n_rows,
     dout_stride, w_se, w_sn, w_sk, gd_stride, la_se, la_sn, la_sr, gu_stride, dgu_stride,
     h_stride,
     LORA: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, W_TMA: tl.constexpr,
+    K_MAJOR: tl.constexpr,
 ):
     """g = dout[tok] Wd[e] (+ s g_d Ad[e]) for BN intermediate columns; recomputes h from the
     saved gu and stores dgu = w g act'(gu) (may overwrite gu: each element is read first),
-    optionally h, and the fp32 partial row sums <g, h> of d(w) at [column tile, row]."""
+    optionally h, and the fp32 partial row sums <g, h> of d(w) at [column tile, row].
+    W_TMA: Wd through w_desc (_w_desc_tile)."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
-    g = _gathered_mm(dout_ptr, src, row_mask, dout_stride, w_ptr + expert * w_se, cols, col_mask,
-                     w_sk, w_sn, hidden, valid, BM, BN, BK, IEEE, UPCAST)
+    if W_TMA:
+        g = _gathered_mm_tma(dout_ptr, src, row_mask, dout_stride, w_desc, expert, pid_n * BN,
+                             hidden, valid, BM, BN, BK, IEEE, UPCAST, K_MAJOR, False)
+    else:
+        g = _gathered_mm(dout_ptr, src, row_mask, dout_stride, w_ptr + expert * w_se, cols,
+                         col_mask, w_sk, w_sn, hidden, valid, BM, BN, BK, IEEE, UPCAST)
     if LORA:
         g = _lora_add(g, gd_ptr, gd_stride, rows, row_mask, la_ptr + expert * la_se, la_sn,
                       la_sr, cols, col_mask, rank, scaling, R, IEEE, UPCAST)
@@ -361,6 +458,45 @@ def _blocks(dtype: torch.dtype, kernel: str = "mm") -> tuple[int, ...]:
     return TILES_FP32 if dtype == torch.float32 else TILES_16BIT[kernel]
 
 
+TMA_VARIABLE = "FUSETUNE_MOE_TMA"
+
+
+def tma_requested() -> bool:
+    """FUSETUNE_MOE_TMA=1: the expert weights enter the grouped GEMMs (gate/up forward, GLU
+    backward, the plain grouped mm) through TMA (host tensor descriptors) instead of pointer
+    loads; the gathered token rows stay pointer loads. Read per call (each forward and
+    backward); off by default until measured on an H100 (issue 21)."""
+    value = os.environ.get(TMA_VARIABLE, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{TMA_VARIABLE} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def _weight_desc(w: torch.Tensor, bn: int, bk: int, halves: bool = False):
+    """(TMA descriptor of w [E, n, k] in its stored order, k_major) for [BN, BK] tiles
+    (_w_desc_tile), or (None, False) where TMA cannot read w: it needs a unit stride and a
+    16-byte aligned base and other strides. Host-side descriptors (triton.tools'
+    TensorDescriptor): the launch encodes the tensor map once, so no program builds one on the
+    device and no triton.set_allocator scratch is needed (tl.make_tensor_descriptor's cost)."""
+    e, n, k = w.shape
+    se, sn, sk = w.stride()
+    half = n // 2
+    if sk == 1:
+        shape, strides, block = [e, n, k], [se, sn, 1], [1, bn, bk]
+        if halves:
+            shape, strides, block = [e, 2, half, k], [se, half * sn, sn, 1], [1, 2, bn // 2, bk]
+    elif sn == 1:
+        shape, strides, block = [e, k, n], [se, sk, 1], [1, bk, bn]
+        if halves:
+            shape, strides, block = [e, k, 2, half], [se, sk, half, 1], [1, bk, 2, bn // 2]
+    else:
+        return None, False
+    size = w.element_size()
+    if w.data_ptr() % 16 or any(s * size % 16 for s in strides[:-1]) or 0 in shape:
+        return None, False
+    return TensorDescriptor(w, shape, strides, block), sk == 1
+
+
 def _padded_rank(rank: int) -> int:
     return max(16, _utils.next_power_of_2(rank))
 
@@ -377,6 +513,7 @@ class _Route:
     def __init__(self, topk_ids: torch.Tensor, experts: int, tokens=None, slots=None,
                  offsets=None):
         self.experts = experts
+        self.tma = tma_requested()  # read once per forward / backward call
         if tokens is None:
             ids = topk_ids.reshape(-1).long()
             sorted_ids, order = torch.sort(ids, stable=True)
@@ -422,8 +559,14 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
     lora = xa is not None and xa.shape[1] > 0
     dummy = route.tokens
     grid = (tiles.shape[0] * _utils.cdiv(n_out, bn),)
+    desc, k_major = _weight_desc(w, bn, bk) if route.tma else (None, False)
+    # Rows in sorted order (not gathered): a TMA load too, when its rows are 16-byte aligned.
+    a_desc = None
+    if desc is not None and not gather and (a.stride(0) * a.element_size()) % 16 == 0:
+        if a.data_ptr() % 16 == 0:
+            a_desc = TensorDescriptor(a, [a.shape[0], k_in], [a.stride(0), 1], [bm, bk])
     _grouped_mm_kernel[grid](
-        a, route.tokens, w, xa if lora else a, lb if lora else w,
+        a, route.tokens, a_desc, w, desc, xa if lora else a, lb if lora else w,
         bias if bias is not None else a, scale if scale is not None else a, out, route.slots,
         tiles, scaling, n_out, k_in, xa.shape[1] if lora else 0,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2),
@@ -432,7 +575,8 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
         GATHER=gather, SCATTER=scatter, LORA=lora, BIAS=bias is not None,
         SCALE=scale is not None, IEEE=a.dtype == torch.float32, UPCAST=INTERPRET,
         R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        GROUP=group, num_warps=warps, num_stages=stages,
+        GROUP=group, W_TMA=desc is not None, K_MAJOR=k_major, A_TMA=a_desc is not None,
+        num_warps=warps, num_stages=stages,
     )
     del dummy
     return out
@@ -455,8 +599,10 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
     lora = xa is not None and xa.shape[1] > 0
     tiles = route.tiles(bm)
     grid = (tiles.shape[0] * _utils.cdiv(inter, bn),)
+    halves = not layout.interleaved
+    desc, k_major = _weight_desc(w_gu, 2 * bn, bk, halves) if route.tma else (None, False)
     _glu_forward_kernel[grid](
-        x, route.tokens, w_gu, xa if lora else x, lb if lora else w_gu,
+        x, route.tokens, w_gu, desc, xa if lora else x, lb if lora else w_gu,
         bias if bias is not None else x, gu, h, tiles, scaling, alpha, limit, inter,
         layout.hidden, xa.shape[1] if lora else 0, *_glu_columns(layout),
         x.stride(0), *w_gu.stride(), xa.stride(0) if lora else 0,
@@ -465,7 +611,8 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
         LORA=lora, BIAS=bias is not None, ACT=act, INTERLEAVED=layout.interleaved,
         IEEE=x.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        GROUP=group, num_warps=warps, num_stages=stages,
+        GROUP=group, W_TMA=desc is not None, K_MAJOR=k_major, HALVES=halves and desc is not None,
+        num_warps=warps, num_stages=stages,
     )
     return gu, h
 
@@ -483,17 +630,19 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
         return h, partial.zero_().sum(0)
     lora = gd is not None and gd.shape[1] > 0
     tiles = route.tiles(bm)
+    desc, k_major = _weight_desc(w_d_t, bn, bk) if route.tma else (None, False)
     _glu_backward_kernel[(tiles.shape[0] * col_tiles,)](
-        dout, route.tokens, w_d_t, gd if lora else dout, la_t if lora else w_d_t, gu, weights,
-        dgu, h if store_h else gu, partial, tiles, scaling, alpha, limit, inter, layout.hidden,
-        gd.shape[1] if lora else 0, *_glu_columns(layout), n_rows,
+        dout, route.tokens, w_d_t, desc, gd if lora else dout, la_t if lora else w_d_t, gu,
+        weights, dgu, h if store_h else gu, partial, tiles, scaling, alpha, limit, inter,
+        layout.hidden, gd.shape[1] if lora else 0, *_glu_columns(layout), n_rows,
         dout.stride(0), *w_d_t.stride(), gd.stride(0) if lora else 0,
         *(la_t.stride() if lora else (0, 0, 0)), gu.stride(0), dgu.stride(0),
         h.stride(0) if store_h else 0,
         LORA=lora, STORE_H=store_h, ACT=act, INTERLEAVED=layout.interleaved,
         IEEE=dout.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(gd.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        GROUP=group, num_warps=warps, num_stages=stages,
+        GROUP=group, W_TMA=desc is not None, K_MAJOR=k_major, num_warps=warps,
+        num_stages=stages,
     )
     return h, partial.sum(0)
 
@@ -859,6 +1008,7 @@ def moe_mlp(
 def moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout, activation,
                     gate_up_bias=None, down_bias=None, lora=None, alpha=1.702, limit=7.0):
     """:func:`moe_mlp` after ``reference.check_moe_args`` (the integration checks once)."""
+    tma_requested()  # a bad FUSETUNE_MOE_TMA fails here on every backend, not at a launch
     dtype = layout.dtype
     if _utils.backend(x) == "reference" or dtype not in _utils.KERNEL_DTYPES:
         return reference.moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout,
