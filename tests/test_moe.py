@@ -496,13 +496,16 @@ def _descriptor_spy(monkeypatch) -> list:
 
 
 @pytest.mark.skipif(not uses_kernels(torch.empty(0, device=DEVICE)), reason="kernel path only")
-@pytest.mark.parametrize("model", ["qwen3_moe", "gpt_oss"])
-def test_tma_path(monkeypatch, model):
+@pytest.mark.parametrize(
+    ("model", "mode"), [("qwen3_moe", "1"), ("gpt_oss", "1"), ("qwen3_moe", "2")]
+)
+def test_tma_path(monkeypatch, model, mode):
     """FUSETUNE_MOE_TMA=1 reads the expert weights and the sorted activation rows through TMA
-    descriptors and matches the oracle. On the CPU the interpreter turns descriptor loads into
-    masked pointer loads: this checks the path's indexing and bounds, not TMA itself."""
+    descriptors and matches the oracle; 2 also x and dout, copied in sorted order. On the CPU
+    the interpreter turns descriptor loads into masked pointer loads: this checks the path's
+    indexing and bounds, not TMA itself."""
     made = _descriptor_spy(monkeypatch)
-    monkeypatch.setenv("FUSETUNE_MOE_TMA", "1")
+    monkeypatch.setenv("FUSETUNE_MOE_TMA", mode)
     qwen = model == "qwen3_moe"
     # (gpt-oss in fp32: in bf16 its clamp flips sit at the tolerance, see its own test)
     check(
@@ -517,6 +520,7 @@ def test_tma_path(monkeypatch, model):
     weights = [(E, 2, INTER, H), (E, H, INTER)] if qwen else [(E, H, 2 * INTER), (E, INTER, H)]
     for shape in [*weights, (slots, INTER), (slots, 2 * INTER)]:
         assert shape in made, (shape, made)
+    assert ((slots, H) in made) == (mode == "2")  # x and dout in sorted order
 
 
 @pytest.mark.skipif(not uses_kernels(torch.empty(0, device=DEVICE)), reason="kernel path only")

@@ -86,11 +86,12 @@
 #     run a GPU test.
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh moe-tma   1 GPU, no carry (under 560 s on a cold H100, each step
-#     bounded): issue 21's FUSETUNE_MOE_TMA=1 (expert weights, and sorted activation rows,
-#     through TMA), never run on a GPU. (1) tests/test_moe.py with the path forced on; (2)
-#     tools/tune_moe.py --tma: Qwen3-30B-A3B then gpt-oss-20b, LoRA r16 and frozen, fwd and
-#     fwd+bwd with the variable off / on alternated twice, then the CUDA time per kernel of each
-#     (LoRA). Default before: Qwen 5.77 ms (gate/up 1.30, GLU bwd 0.99, six mm 2.48).
+#     bounded): issue 21's FUSETUNE_MOE_TMA (1: expert weights and sorted activation rows
+#     through TMA; 2: x and dout copied into sorted order too), never run on a GPU. (1)
+#     tests/test_moe.py with 1 forced, then its reference / gpt-oss / large-shape cases with 2;
+#     (2) tools/tune_moe.py --tma: Qwen3-30B-A3B then gpt-oss-20b, LoRA r16 and frozen, fwd and
+#     fwd+bwd under 0 / 1 / 2 alternated twice, then the CUDA time per kernel of each (LoRA).
+#     Default before: Qwen 5.77 ms (gate/up 1.30, GLU bwd 0.99, six mm 2.48).
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it);
@@ -269,8 +270,11 @@ if [ "${1:-}" = moe ]; then  # the gate/up kernel's single accumulator (n128 pro
 fi
 if [ "${1:-}" = moe-tma ]; then
   export PYTHONPATH=src:tests:tools
-  FUSETUNE_MOE_TMA=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe.py \
+  FUSETUNE_MOE_TMA=1 timeout 180 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe.py \
     2>&1 | tail -8 | tee "$OUT/moe-tma-tests.log"
+  FUSETUNE_MOE_TMA=2 timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_moe.py \
+    -k "matches_reference or gpt_oss_layout or large_shapes" 2>&1 | tail -6 \
+    | tee -a "$OUT/moe-tma-tests.log"
   timeout $((555 - SECONDS)) python3 tools/tune_moe.py --tma --shapes qwen3_moe,gpt_oss 2>&1 \
     | tee "$OUT/moe-tma-bench.log"
   echo "done in $SECONDS s"

@@ -1,4 +1,4 @@
-"""The MoE grouped GEMMs compiled for sm_90 on the CPU (no GPU): default vs FUSETUNE_MOE_TMA=1.
+"""The MoE grouped GEMMs compiled for sm_90 on the CPU (no GPU): FUSETUNE_MOE_TMA=0, 1 and 2.
 
     PYTHONPATH=/tmp/t36:src python tools/regs_moe.py [qwen3_moe|gpt_oss ...]
 
@@ -55,9 +55,9 @@ class _Catch:
         return lambda *args, **kwargs: self.launches.append((self.name, args, kwargs))
 
 
-def launches(shape: str, tma: bool) -> list:
+def launches(shape: str, tma: int) -> list:
     experts, top_k, hidden, inter, transposed, interleaved = SHAPES[shape]
-    os.environ["FUSETUNE_MOE_TMA"] = "1" if tma else "0"  # (main has no TMA_VARIABLE)
+    os.environ["FUSETUNE_MOE_TMA"] = str(int(tma))  # (main has no TMA_VARIABLE)
     n, rank, bf16 = 256, 16, torch.bfloat16
     gate_up = torch.randn(experts, 2 * inter, hidden, dtype=bf16)
     down = torch.randn(experts, hidden, inter, dtype=bf16)
@@ -194,7 +194,7 @@ def describe(name, kwargs, args) -> str:
         for k in keys
         if k in kwargs
     )
-    w = args[3 if name == "_grouped_mm_kernel" else 2]  # the weight, [E, n, k] as read
+    w = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3)  # [E, n, k]
     return f"{name.strip('_').replace('_kernel', '')} n={w.shape[1]} k={w.shape[2]}: {flags}"
 
 
@@ -202,7 +202,7 @@ def main() -> None:
     shapes = [a for a in sys.argv[1:] if a in SHAPES] or list(SHAPES)
     print(f"triton {triton.__version__}, sm_90, bf16, tiles {moe.TILES_16BIT}")
     for shape in shapes:
-        for tma in (False, True):
+        for tma in (0, 1, 2):
             print(f"== {shape}, FUSETUNE_MOE_TMA={int(tma)}", flush=True)
             seen = set()
             for name, args, kwargs in launches(shape, tma):

@@ -9,7 +9,7 @@ and the H100 SXM spec (989 TFLOP/s). Then, for the best config of each shape, th
 per kernel (torch.profiler) and the frozen (no LoRA) time.
 
 Usage (H100, < 5 minutes):  python tools/tune_moe.py [--quick] [--shapes gpt_oss,qwen3_moe]
-    --tma: no sweep; the shipped tiles with FUSETUNE_MOE_TMA=0 and =1 alternated, frozen and
+    --tma: no sweep; the shipped tiles with FUSETUNE_MOE_TMA=0, 1 and 2 alternated, frozen and
     LoRA, and the CUDA time per kernel of each (issue 21's TMA path).
 A config is (BM, BN, BK, warps, stages, group: row tiles per L2 group), set for both kernel
 kinds ("glu": gate/up forward and down-gradient backward, BN = gu columns per program; "mm":
@@ -130,12 +130,17 @@ def _sweep(family: str, ceiling: float, quick: bool) -> None:
     print(f"   frozen, no LoRA: fusetune {ours:.3f} ms, transformers grouped_mm {theirs:.3f} ms")
 
 
+MODES = ("0", "1", "2")  # FUSETUNE_MOE_TMA: off, weights (+ sorted rows), + x / dout copied
+
+
 def _tma(family: str, ceiling: float) -> None:
-    """The shipped tiles with FUSETUNE_MOE_TMA=0 and =1 on the same inputs, alternated twice
+    """The shipped tiles with each FUSETUNE_MOE_TMA mode on the same inputs, alternated twice
     (the second round shows the machine's jitter), then CUDA time per kernel for each."""
     floor_ms = cases_moe._floor(family)(False) / ceiling / 1e9
-    print(f"\n== {cases_moe.TITLES[family]} {cases_moe.SHAPES[family]}, tiles "
-          f"{moe.TILES_16BIT['glu']}, floor {floor_ms:.2f} ms at {ceiling:.0f} TFLOP/s")
+    print(
+        f"\n== {cases_moe.TITLES[family]} {cases_moe.SHAPES[family]}, tiles "
+        f"{moe.TILES_16BIT['glu']}, floor {floor_ms:.2f} ms at {ceiling:.0f} TFLOP/s"
+    )
     for lora in (True, False):
         step = _providers(family, lora).get("fusetune")
         if step is None:
@@ -143,16 +148,18 @@ def _tma(family: str, ceiling: float) -> None:
             continue
         forward = _forward_of(step)
         for _round in range(2):
-            for value in ("0", "1"):
+            for value in MODES:
                 os.environ[moe.TMA_VARIABLE] = value
                 with torch.no_grad():
                     fwd = triton.testing.do_bench(forward, warmup=10, rep=50)
                 ms = triton.testing.do_bench(step, warmup=10, rep=60)
-                print(f"   {'LoRA r16' if lora else 'frozen  '} FUSETUNE_MOE_TMA={value}: fwd "
-                      f"{fwd:7.3f} ms  fwd+bwd {ms:7.3f} ms  {100 * floor_ms / ms:5.1f}% floor",
-                      flush=True)
+                print(
+                    f"   {'LoRA r16' if lora else 'frozen  '} FUSETUNE_MOE_TMA={value}: fwd "
+                    f"{fwd:7.3f} ms  fwd+bwd {ms:7.3f} ms  {100 * floor_ms / ms:5.1f}% floor",
+                    flush=True,
+                )
         if lora:
-            for value in ("0", "1"):
+            for value in MODES:
                 os.environ[moe.TMA_VARIABLE] = value
                 print(f"   CUDA time per kernel, LoRA, FUSETUNE_MOE_TMA={value}:")
                 print(_kernel_times(step), flush=True)
@@ -163,8 +170,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two configs per shape")
     parser.add_argument("--shapes", default="gpt_oss,qwen3_moe")
-    parser.add_argument("--tma", action="store_true",
-                        help="no sweep: the shipped tiles with FUSETUNE_MOE_TMA off and on")
+    parser.add_argument(
+        "--tma",
+        action="store_true",
+        help="no sweep: the shipped tiles under each FUSETUNE_MOE_TMA mode",
+    )
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)

@@ -254,14 +254,15 @@ def _grouped_mm_kernel(
 
 @triton.jit
 def _glu_forward_kernel(
-    x_ptr, tokens_ptr, w_ptr, w_desc, xa_ptr, lb_ptr, bias_ptr, gu_ptr, h_ptr, tiles_ptr,
+    x_ptr, tokens_ptr, x_desc, w_ptr, w_desc, xa_ptr, lb_ptr, bias_ptr, gu_ptr, h_ptr,
+    tiles_ptr,
     scaling, alpha, limit, inter, hidden, rank, col_step, up_offset,
     x_stride, w_se, w_sn, w_sk, xa_stride, lb_se, lb_sn, lb_sr, bias_stride, gu_stride,
     h_stride,
     LORA: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, W_TMA: tl.constexpr,
-    K_MAJOR: tl.constexpr, HALVES: tl.constexpr,
+    K_MAJOR: tl.constexpr, HALVES: tl.constexpr, GATHER: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """gu = x[tok] Wgu[e]^T (+ LoRA, + bias) for BN gate columns and their up columns (gate j
     at j * col_step, up at that + up_offset); stores gu (rounded) and h = act(gate, up).
@@ -270,13 +271,16 @@ def _glu_forward_kernel(
     gather defeats vectorized / async loads).
     W_TMA: Wgu through w_desc (_w_desc_tile); with HALVES (W_TMA, not INTERLEAVED) the
     accumulator holds the BN gate columns, then their BN up columns (a TMA box is rectangular:
-    it cannot interleave rows from the two halves)."""
+    it cannot interleave rows from the two halves). Not GATHER: x is already in sorted order
+    (FUSETUNE_MOE_TMA=2), A_TMA: read through x_desc."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
     mask = row_mask[:, None] & col_mask[None, :]
     gu_rows = rows.to(tl.int64)[:, None] * gu_stride
-    src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
+    src = rows
+    if GATHER:
+        src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
     # One [BM, 2 BN] accumulator over (gate, up) column pairs: its column c is gate column
     # j = pid_n BN + c // 2 for even c and that column's up for odd c, W's row
     # j col_step + (c % 2) up_offset (interleaved: the 2 BN adjacent gu columns). One n = 2 BN
@@ -298,7 +302,8 @@ def _glu_forward_kernel(
         if HALVES:
             n0 = pid_n * BN
         acc = _gathered_mm_tma(x_ptr, src, row_mask, x_stride, w_desc, expert, n0, hidden,
-                               valid, BM, 2 * BN, BK, IEEE, UPCAST, K_MAJOR, HALVES)
+                               valid, BM, 2 * BN, BK, IEEE, UPCAST, K_MAJOR, HALVES, x_desc,
+                               A_TMA)
     else:
         acc = _gathered_mm(x_ptr, src, row_mask, x_stride, w_ptr + expert * w_se, pair_cols,
                            pair_mask, w_sk, w_sn, hidden, valid, BM, 2 * BN, BK, IEEE, UPCAST)
@@ -329,27 +334,31 @@ def _glu_forward_kernel(
 
 @triton.jit
 def _glu_backward_kernel(
-    dout_ptr, tokens_ptr, w_ptr, w_desc, gd_ptr, la_ptr, gu_ptr, scale_ptr, dgu_ptr, h_ptr,
-    part_ptr,
+    dout_ptr, tokens_ptr, dout_desc, w_ptr, w_desc, gd_ptr, la_ptr, gu_ptr, scale_ptr, dgu_ptr,
+    h_ptr, part_ptr,
     tiles_ptr, scaling, alpha, limit, inter, hidden, rank, col_step, up_offset, n_rows,
     dout_stride, w_se, w_sn, w_sk, gd_stride, la_se, la_sn, la_sr, gu_stride, dgu_stride,
     h_stride,
     LORA: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, W_TMA: tl.constexpr,
-    K_MAJOR: tl.constexpr,
+    K_MAJOR: tl.constexpr, GATHER: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """g = dout[tok] Wd[e] (+ s g_d Ad[e]) for BN intermediate columns; recomputes h from the
     saved gu and stores dgu = w g act'(gu) (may overwrite gu: each element is read first),
     optionally h, and the fp32 partial row sums <g, h> of d(w) at [column tile, row].
-    W_TMA: Wd through w_desc (_w_desc_tile)."""
+    W_TMA: Wd through w_desc (_w_desc_tile); not GATHER: dout already in sorted order, A_TMA:
+    read through dout_desc."""
     expert, rows, row_mask, valid, pid_n = _tile(tiles_ptr, inter, BM, BN, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)
     col_mask = cols < inter
-    src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
+    src = rows
+    if GATHER:
+        src = tl.load(tokens_ptr + rows, mask=row_mask, other=0)
     if W_TMA:
         g = _gathered_mm_tma(dout_ptr, src, row_mask, dout_stride, w_desc, expert, pid_n * BN,
-                             hidden, valid, BM, BN, BK, IEEE, UPCAST, K_MAJOR, False)
+                             hidden, valid, BM, BN, BK, IEEE, UPCAST, K_MAJOR, False, dout_desc,
+                             A_TMA)
     else:
         g = _gathered_mm(dout_ptr, src, row_mask, dout_stride, w_ptr + expert * w_se, cols,
                          col_mask, w_sk, w_sn, hidden, valid, BM, BN, BK, IEEE, UPCAST)
@@ -461,15 +470,18 @@ def _blocks(dtype: torch.dtype, kernel: str = "mm") -> tuple[int, ...]:
 TMA_VARIABLE = "FUSETUNE_MOE_TMA"
 
 
-def tma_requested() -> bool:
+def tma_mode() -> int:
     """FUSETUNE_MOE_TMA=1: the expert weights enter the grouped GEMMs (gate/up forward, GLU
     backward, the plain grouped mm) through TMA (host tensor descriptors) instead of pointer
-    loads; the gathered token rows stay pointer loads. Read per call (each forward and
-    backward); off by default until measured on an H100 (issue 21)."""
+    loads, and so do activation rows already in sorted order; the gathered token rows stay
+    pointer loads. 2: also copies x (forward) and dout (backward) into sorted order first
+    (S x H elements each), so that the gate/up forward and the GLU backward read both operands
+    through TMA: an experiment, to weigh the copy against gathered loads. Read per call (each
+    forward and backward); off (0) by default until measured on an H100 (issue 21)."""
     value = os.environ.get(TMA_VARIABLE, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{TMA_VARIABLE} must be '0' or '1', got {value!r}")
-    return value == "1"
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{TMA_VARIABLE} must be '0', '1' or '2', got {value!r}")
+    return int(value)
 
 
 def _weight_desc(w: torch.Tensor, bn: int, bk: int, halves: bool = False):
@@ -497,6 +509,14 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int, halves: bool = False):
     return TensorDescriptor(w, shape, strides, block), sk == 1
 
 
+def _rows_desc(a: torch.Tensor, k: int, bm: int, bk: int):
+    """TMA descriptor of rows already in sorted order (a [S, >= k], unit columns) for [BM, BK]
+    tiles, or None where the rows are not 16-byte aligned."""
+    if a.data_ptr() % 16 or (a.stride(0) * a.element_size()) % 16:
+        return None
+    return TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [bm, bk])
+
+
 def _padded_rank(rank: int) -> int:
     return max(16, _utils.next_power_of_2(rank))
 
@@ -513,7 +533,7 @@ class _Route:
     def __init__(self, topk_ids: torch.Tensor, experts: int, tokens=None, slots=None,
                  offsets=None):
         self.experts = experts
-        self.tma = tma_requested()  # read once per forward / backward call
+        self.tma = tma_mode()  # read once per forward / backward call
         if tokens is None:
             ids = topk_ids.reshape(-1).long()
             sorted_ids, order = torch.sort(ids, stable=True)
@@ -525,6 +545,13 @@ class _Route:
         self.tokens, self.slots, self.offsets = tokens, slots, offsets
         self.n_rows = slots.shape[0]
         self._tables: dict[int, torch.Tensor] = {}
+
+    def sorted_rows(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(t, gather=True), or with FUSETUNE_MOE_TMA=2 (t[tokens], False): a copy in sorted
+        order whose tiles are TMA boxes."""
+        if self.tma == 2:
+            return t[self.tokens.long()], False
+        return t, True
 
     def tiles(self, bm: int) -> torch.Tensor:
         """[T, 3] int32 (expert, first row, end row); rows past the last tile are empty."""
@@ -560,11 +587,7 @@ def _grouped_mm(a, w, route, out, *, gather=False, scatter=False, xa=None, lb=No
     dummy = route.tokens
     grid = (tiles.shape[0] * _utils.cdiv(n_out, bn),)
     desc, k_major = _weight_desc(w, bn, bk) if route.tma else (None, False)
-    # Rows in sorted order (not gathered): a TMA load too, when its rows are 16-byte aligned.
-    a_desc = None
-    if desc is not None and not gather and (a.stride(0) * a.element_size()) % 16 == 0:
-        if a.data_ptr() % 16 == 0:
-            a_desc = TensorDescriptor(a, [a.shape[0], k_in], [a.stride(0), 1], [bm, bk])
+    a_desc = _rows_desc(a, k_in, bm, bk) if desc is not None and not gather else None
     _grouped_mm_kernel[grid](
         a, route.tokens, a_desc, w, desc, xa if lora else a, lb if lora else w,
         bias if bias is not None else a, scale if scale is not None else a, out, route.slots,
@@ -587,8 +610,9 @@ def _glu_columns(layout: Layout) -> tuple[int, int]:
     return (2, 1) if layout.interleaved else (1, layout.intermediate)
 
 
-def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limit):
-    """(gu [S, 2I], h [S, I]) in x's dtype (the compute dtype)."""
+def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limit, gather=True):
+    """(gu [S, 2I], h [S, I]) in x's dtype (the compute dtype); not gather: x is [S, H] in
+    sorted order (route.sorted_rows)."""
     n_rows, inter = route.n_rows, layout.intermediate
     gu = _utils.empty((n_rows, 2 * inter), x.dtype, x.device)
     h = _utils.empty((n_rows, inter), x.dtype, x.device)
@@ -601,8 +625,9 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
     grid = (tiles.shape[0] * _utils.cdiv(inter, bn),)
     halves = not layout.interleaved
     desc, k_major = _weight_desc(w_gu, 2 * bn, bk, halves) if route.tma else (None, False)
+    x_desc = _rows_desc(x, layout.hidden, bm, bk) if desc is not None and not gather else None
     _glu_forward_kernel[grid](
-        x, route.tokens, w_gu, desc, xa if lora else x, lb if lora else w_gu,
+        x, route.tokens, x_desc, w_gu, desc, xa if lora else x, lb if lora else w_gu,
         bias if bias is not None else x, gu, h, tiles, scaling, alpha, limit, inter,
         layout.hidden, xa.shape[1] if lora else 0, *_glu_columns(layout),
         x.stride(0), *w_gu.stride(), xa.stride(0) if lora else 0,
@@ -612,14 +637,15 @@ def _glu_forward(x, w_gu, route, layout, xa, lb, scaling, bias, act, alpha, limi
         IEEE=x.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(xa.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
         GROUP=group, W_TMA=desc is not None, K_MAJOR=k_major, HALVES=halves and desc is not None,
-        num_warps=warps, num_stages=stages,
+        GATHER=gather, A_TMA=x_desc is not None, num_warps=warps, num_stages=stages,
     )
     return gu, h
 
 
 def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dgu, store_h,
-                  act, alpha, limit):
-    """Fill dgu [S, 2I] (may be gu itself); return (h [S, I] or None, d(w) <g, h> [S] fp32)."""
+                  act, alpha, limit, gather=True):
+    """Fill dgu [S, 2I] (may be gu itself); return (h [S, I] or None, d(w) <g, h> [S] fp32).
+    Not gather: dout is [S, H] in sorted order (route.sorted_rows)."""
     n_rows, inter = route.n_rows, layout.intermediate
     bm, bn, bk, warps, stages, group = _blocks(dout.dtype, "glu")
     bn //= 2  # two accumulators (gate and up)
@@ -631,18 +657,20 @@ def _glu_backward(dout, w_d_t, route, layout, gd, la_t, scaling, gu, weights, dg
     lora = gd is not None and gd.shape[1] > 0
     tiles = route.tiles(bm)
     desc, k_major = _weight_desc(w_d_t, bn, bk) if route.tma else (None, False)
+    dout_desc = _rows_desc(dout, layout.hidden, bm, bk) if desc is not None and not gather else None
     _glu_backward_kernel[(tiles.shape[0] * col_tiles,)](
-        dout, route.tokens, w_d_t, desc, gd if lora else dout, la_t if lora else w_d_t, gu,
-        weights, dgu, h if store_h else gu, partial, tiles, scaling, alpha, limit, inter,
-        layout.hidden, gd.shape[1] if lora else 0, *_glu_columns(layout), n_rows,
+        dout, route.tokens, dout_desc, w_d_t, desc, gd if lora else dout,
+        la_t if lora else w_d_t, gu, weights, dgu, h if store_h else gu, partial, tiles,
+        scaling, alpha, limit, inter, layout.hidden, gd.shape[1] if lora else 0,
+        *_glu_columns(layout), n_rows,
         dout.stride(0), *w_d_t.stride(), gd.stride(0) if lora else 0,
         *(la_t.stride() if lora else (0, 0, 0)), gu.stride(0), dgu.stride(0),
         h.stride(0) if store_h else 0,
         LORA=lora, STORE_H=store_h, ACT=act, INTERLEAVED=layout.interleaved,
         IEEE=dout.dtype == torch.float32,
         UPCAST=INTERPRET, R=_padded_rank(gd.shape[1] if lora else 1), BM=bm, BN=bn, BK=bk,
-        GROUP=group, W_TMA=desc is not None, K_MAJOR=k_major, num_warps=warps,
-        num_stages=stages,
+        GROUP=group, W_TMA=desc is not None, K_MAJOR=k_major, GATHER=gather,
+        A_TMA=dout_desc is not None, num_warps=warps, num_stages=stages,
     )
     return h, partial.sum(0)
 
@@ -703,9 +731,12 @@ def _forward(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, 
     xa_gu = xa_d = None
     if a_gu is not None:
         xa_gu = _utils.empty((route.n_rows, a_gu.shape[1]), x.dtype, x.device)
-        _grouped_mm(x, a_gu, route, xa_gu, gather=True)
-    gu, h = _glu_forward(x, w_gu, route, layout, xa_gu, b_gu, s_gu, gate_up_bias, act, alpha,
-                         limit)
+    x_rows, gather = route.sorted_rows(x)
+    if a_gu is not None:
+        _grouped_mm(x_rows, a_gu, route, xa_gu, gather=gather)
+    gu, h = _glu_forward(x_rows, w_gu, route, layout, xa_gu, b_gu, s_gu, gate_up_bias, act,
+                         alpha, limit, gather)
+    del x_rows
     if a_d is not None:
         xa_d = _utils.empty((route.n_rows, a_d.shape[1]), x.dtype, x.device)
         _grouped_mm(h, a_d, route, xa_d)
@@ -739,15 +770,18 @@ def _backward(grad, x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down
     dtype = x.dtype
     lora_gu, lora_d = a_gu is not None, a_d is not None
     g_d = None
+    dout_rows, gather = route.sorted_rows(dout)
     if lora_d:
         g_d = _utils.empty((route.n_rows, a_d.shape[1]), dtype, x.device)
-        _grouped_mm(dout, b_d.transpose(1, 2), route, g_d, gather=True)
+        _grouped_mm(dout_rows, b_d.transpose(1, 2), route, g_d, gather=gather)
     dgu = gu if inplace else _utils.empty(gu.shape, dtype, x.device)
     store_h = need["down_a"] or need["down"]
     h, dw_sorted = _glu_backward(
-        dout, w_d.transpose(1, 2), route, layout, g_d, a_d.transpose(1, 2) if lora_d else None,
-        s_d, gu, weights, dgu, store_h, act, alpha, limit,
+        dout_rows, w_d.transpose(1, 2), route, layout, g_d,
+        a_d.transpose(1, 2) if lora_d else None, s_d, gu, weights, dgu, store_h, act, alpha,
+        limit, gather,
     )
+    del dout_rows
     grads = dict.fromkeys(GRAD_NAMES)
     if need["topk_weights"]:
         dw = torch.empty_like(dw_sorted)
@@ -1008,7 +1042,7 @@ def moe_mlp(
 def moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout, activation,
                     gate_up_bias=None, down_bias=None, lora=None, alpha=1.702, limit=7.0):
     """:func:`moe_mlp` after ``reference.check_moe_args`` (the integration checks once)."""
-    tma_requested()  # a bad FUSETUNE_MOE_TMA fails here on every backend, not at a launch
+    tma_mode()  # a bad FUSETUNE_MOE_TMA fails here on every backend, not at a launch
     dtype = layout.dtype
     if _utils.backend(x) == "reference" or dtype not in _utils.KERNEL_DTYPES:
         return reference.moe_mlp_checked(x, topk_ids, topk_weights, gate_up, down, layout,
