@@ -495,32 +495,42 @@ def _descriptor_spy(monkeypatch) -> list:
     return made
 
 
+# layout -> (kwargs of moe_mlp, the weights' descriptor shapes: gate_up's, down's, as stored)
+TMA_LAYOUTS = {
+    # [E, 2I, H], gate then up: one (gate, up) box over [E, 2, I, H]; down [E, H, I]
+    "qwen3_moe": ({}, [(E, 2, INTER, H), (E, H, INTER)]),
+    # [E, H, 2I] interleaved; down [E, I, H]
+    "gpt_oss": (GPT_OSS, [(E, H, 2 * INTER), (E, INTER, H)]),
+    # [E, H, 2I] gate then up (Llama 4's experts): the N-major (gate, up) box [E, H, 2, I]
+    "transposed_concat": ({"transposed": True}, [(E, H, 2, INTER), (E, INTER, H)]),
+}
+
+
 @pytest.mark.skipif(not uses_kernels(torch.empty(0, device=DEVICE)), reason="kernel path only")
 @pytest.mark.parametrize(
-    ("model", "mode"), [("qwen3_moe", "1"), ("gpt_oss", "1"), ("qwen3_moe", "2")]
+    ("layout", "mode"),
+    [("qwen3_moe", "1"), ("gpt_oss", "1"), ("transposed_concat", "1"), ("qwen3_moe", "2")],
 )
-def test_tma_path(monkeypatch, model, mode):
+def test_tma_path(monkeypatch, layout, mode):
     """FUSETUNE_MOE_TMA=1 reads the expert weights and the sorted activation rows through TMA
     descriptors and matches the oracle; 2 also x and dout, copied in sorted order. On the CPU
     the interpreter turns descriptor loads into masked pointer loads: this checks the path's
     indexing and bounds, not TMA itself."""
     made = _descriptor_spy(monkeypatch)
     monkeypatch.setenv("FUSETUNE_MOE_TMA", mode)
-    qwen = model == "qwen3_moe"
-    # (gpt-oss in fp32: in bf16 its clamp flips sit at the tolerance, see its own test)
+    kwargs, weights = TMA_LAYOUTS[layout]
+    qwen = layout == "qwen3_moe"
+    # (bf16 on Qwen's layout; fp32 elsewhere: gpt-oss's clamp flips in bf16 sit at the tolerance)
     check(
-        inputs(lora=True, bias=not qwen, transposed=not qwen),
+        inputs(lora=True, bias=layout == "gpt_oss", transposed=not qwen),
         BF16 if qwen else FP32,
         ["x", "topk_weights", *LORA_NAMES],
-        **({} if qwen else GPT_OSS),
+        **kwargs,
     )
-    # Weights as stored: Qwen's gate_up [E, 2I, H] as one (gate, up) box, its down [E, H, I];
-    # gpt-oss's [E, H, 2I] and [E, I, H]. Activations in sorted order: h and dgu.
-    slots = N * K
-    weights = [(E, 2, INTER, H), (E, H, INTER)] if qwen else [(E, H, 2 * INTER), (E, INTER, H)]
+    slots = N * K  # activations in sorted order: h and dgu; with 2, x and dout too
     for shape in [*weights, (slots, INTER), (slots, 2 * INTER)]:
         assert shape in made, (shape, made)
-    assert ((slots, H) in made) == (mode == "2")  # x and dout in sorted order
+    assert ((slots, H) in made) == (mode == "2")
 
 
 @pytest.mark.skipif(not uses_kernels(torch.empty(0, device=DEVICE)), reason="kernel path only")
