@@ -5,6 +5,8 @@ input. Tiny shapes (E=4, K=2, H=32, INTER=48, N=24) so the interpreter runs them
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -542,6 +544,26 @@ def test_tma_path_off_by_default(monkeypatch):
     monkeypatch.setenv("FUSETUNE_MOE_TMA", "0")
     op(fusetune.moe_mlp)(**dict(tensors))
     assert made == []
+
+
+@pytest.mark.skipif(not uses_kernels(torch.empty(0, device=DEVICE)), reason="kernel path only")
+def test_tma_path_warns_once_where_a_weight_keeps_pointer_loads(monkeypatch):
+    """A weight view with no unit stride cannot be a TMA box: it keeps pointer loads, with one
+    warning that says so, and the result is still right."""
+    from fusetune.ops import moe
+
+    monkeypatch.setattr(moe, "_TMA_WARNED", set())
+    monkeypatch.setenv("FUSETUNE_MOE_TMA", "1")
+    tensors = _on_device(inputs())
+    wide = torch.randn(E, 2 * INTER, 2 * H, device=DEVICE) / H**0.5
+    tensors["gate_up"] = wide[:, :, ::2]  # strides (., 2H, 2): no unit stride
+    with pytest.warns(UserWarning, match="FUSETUNE_MOE_TMA.*neither of its last two strides"):
+        out = op(fusetune.moe_mlp)(**dict(tensors))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once: the second call is silent)
+        op(fusetune.moe_mlp)(**dict(tensors))
+    expected = op(reference.moe_mlp)(**{k: v.cpu() for k, v in tensors.items()})
+    torch.testing.assert_close(out.cpu(), expected.to(out.dtype), rtol=1e-4, atol=1e-4)
 
 
 def test_tma_variable_checked(monkeypatch):

@@ -41,6 +41,7 @@ Layout: kernels, launchers, registered ops, autograd Function, public function.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -502,11 +503,24 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int, halves: bool = False):
         if halves:
             shape, strides, block = [e, k, 2, half], [se, sk, half, 1], [1, bk, 2, bn // 2]
     else:
-        return None, False
+        return _tma_skipped("neither of its last two strides is 1")
     size = w.element_size()
     if w.data_ptr() % 16 or any(s * size % 16 for s in strides[:-1]) or 0 in shape:
-        return None, False
+        return _tma_skipped("its base or a stride is not a multiple of 16 bytes")
     return TensorDescriptor(w, shape, strides, block), sk == 1
+
+
+_TMA_WARNED: set[str] = set()
+
+
+def _tma_skipped(why: str) -> tuple[None, bool]:
+    """(None, False), after one warning a reason: FUSETUNE_MOE_TMA asked for TMA and this
+    weight keeps pointer loads (no silent fallback)."""
+    if why not in _TMA_WARNED:
+        _TMA_WARNED.add(why)
+        warnings.warn(f"fusetune.moe_mlp: {TMA_VARIABLE} is set, but an expert weight keeps "
+                      f"pointer loads: {why}", stacklevel=2)  # fmt: skip
+    return None, False
 
 
 def _rows_desc(a: torch.Tensor, k: int, bm: int, bk: int):
