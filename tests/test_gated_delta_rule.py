@@ -512,13 +512,14 @@ def test_bf16_modes_reach_the_kernels(monkeypatch, dot, level):
 
 
 def test_bad_modes_named_by_the_op(monkeypatch):
-    """A bad FUSETUNE_GDR_DOT or FUSETUNE_GDR_W value fails the call itself with a ValueError
-    naming the variable (both are read at every call, not at import)."""
+    """A bad FUSETUNE_GDR_DOT, FUSETUNE_GDR_W or FUSETUNE_GDR_BWD_K value fails the call itself
+    (the forward: the last is read there too) with a ValueError naming the variable (each is
+    read at every call, not at import)."""
     inputs = make_inputs(batch=1, seq_len=5, initial_state=False)
     args = [inputs[n].to(DEVICE, torch.bfloat16) for n in ("q", "k", "v", "g", "beta")]
     if not uses_kernels(args[0]):
         pytest.skip("the reference path reads neither variable")
-    for name in ("FUSETUNE_GDR_DOT", "FUSETUNE_GDR_W"):
+    for name in ("FUSETUNE_GDR_DOT", "FUSETUNE_GDR_W", "FUSETUNE_GDR_BWD_K"):
         with monkeypatch.context() as env:
             env.setenv(name, "bf8")
             with pytest.raises(ValueError, match=rf"{name} must be .*got 'bf8'"):
@@ -657,6 +658,127 @@ def test_chunks_of_64_extreme_gates(monkeypatch, mode):
     fixed = dict(use_qk_l2norm_in_kernel=True)
     result = run_check(inputs, MODE_DTYPES[mode], "chunk", fixed=fixed)
     assert all(torch.isfinite(x).all() for x in result.grads.values())
+
+
+# FUSETUNE_GDR_BWD_K=split: bwd_chunk_kernel's work split along K (bwd_chunk_split_kernel, key
+# slices of min(64, K / 2) columns, at least 32 on tensor cores: K = 40 pads to 64 and takes two
+# slices, the second partial), its sums over K finished on the host and by l2norm_bwd_kernel.
+KEY_SPLIT_CASES = {
+    # name: (make_inputs arguments, dtype, fixed options)
+    "k40-groups-l2norm-bf16": (
+        dict(batch=1, seq_len=20, key_heads=1, value_heads=2, key_dim=40, value_dim=16,
+             unit_keys=False),
+        torch.bfloat16,
+        dict(use_qk_l2norm_in_kernel=True, scale=0.4),
+    ),  # fmt: skip
+    "k40-groups-fp16": (
+        dict(batch=1, seq_len=19, key_heads=1, value_heads=2, key_dim=40, value_dim=16),
+        torch.float16,
+        {},
+    ),
+    "k40-l2norm-fp32": (
+        dict(batch=1, seq_len=20, key_dim=40, value_dim=24, unit_keys=False),
+        torch.float32,
+        dict(use_qk_l2norm_in_kernel=True),
+    ),
+    "k128-l2norm-bf16": (
+        dict(batch=1, seq_len=20, key_heads=1, value_heads=1, key_dim=128, value_dim=32,
+             unit_keys=False),
+        torch.bfloat16,
+        dict(use_qk_l2norm_in_kernel=True),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(KEY_SPLIT_CASES))
+def test_key_split(monkeypatch, case):
+    """The backward split along K within its dtype's tolerance of the float64 oracle, and of
+    the default path (same inputs and upstream gradients) within fp32's for fp32: grouped
+    heads, l2norm, several chunks, an initial state."""
+    shape, dtype, fixed = KEY_SPLIT_CASES[case]
+    inputs = make_inputs(**shape)
+    results = {}
+    for mode in ("split", "auto"):
+        monkeypatch.setenv("FUSETUNE_GDR_BWD_K", mode)
+        torch.manual_seed(1)  # (the same upstream gradients)
+        results[mode] = run_check(inputs, dtype, "chunk", fixed=fixed)
+    tol = harness.tolerance(dtype)
+    for name, grad in results["split"].grads.items():
+        assert_close(f"split vs default: grad {name}", grad, results["auto"].grads[name], tol)
+
+
+def test_key_split_varlen(monkeypatch):
+    """Packed sequences (one empty, one of a single token) split along K, bf16, K = 40."""
+    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", "split")
+    offsets = [0, 5, 5, 17, 18, 30]
+    inputs = make_inputs(batch=1, seq_len=offsets[-1], key_dim=40, n_seq=len(offsets) - 1)
+    check_packed(inputs, offsets, torch.bfloat16, torch.int32)
+
+
+class GridSpy:
+    """A kernel that records (name, grid, BK, NK) of each launch into ``seen``."""
+
+    def __init__(self, name, seen) -> None:
+        self.name, self.seen, self.kernel = name, seen, getattr(gdr_chunk, name)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.seen.append((self.name, tuple(grid), kwargs.get("BK"), kwargs.get("NK")))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def test_key_split_reaches_the_kernels(monkeypatch):
+    """FUSETUNE_GDR_BWD_K, read at every call: split launches bwd_chunk_split_kernel on a grid
+    of chunks x key slices (K = 40: two slices of 32) and, with l2norm, l2norm_bwd_kernel for
+    dq and dk, never bwd_chunk_kernel; auto (and unset) the one kernel alone."""
+    seen = []
+    for name in ("bwd_chunk_kernel", "bwd_chunk_split_kernel", "l2norm_bwd_kernel"):
+        monkeypatch.setattr(gdr_chunk, name, GridSpy(name, seen))
+    inputs = make_inputs(batch=1, seq_len=40, key_dim=40, value_dim=24, initial_state=False,
+                         unit_keys=False)  # fmt: skip
+    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
+    g, beta = (inputs[n].to(DEVICE) for n in ("g", "beta"))
+    chunks = math.ceil(40 / gdr_chunk.chunk_size(fusetune._utils.INTERPRET, 40))
+    for mode in ("split", "auto", None):
+        seen.clear()
+        if mode is None:
+            monkeypatch.delenv("FUSETUNE_GDR_BWD_K")
+        else:
+            monkeypatch.setenv("FUSETUNE_GDR_BWD_K", mode)
+        o, _ = fusetune.gated_delta_rule(*leaves, g, beta, use_qk_l2norm_in_kernel=True)
+        o.float().sum().backward()
+        if not uses_kernels(leaves[0]):
+            assert seen == []
+            continue
+        if mode == "split":
+            want = [("bwd_chunk_split_kernel", (2 * chunks, 2), 32, 2),
+                    ("l2norm_bwd_kernel", (1,), 64, None), ("l2norm_bwd_kernel", (1,), 64, None)]
+        else:
+            want = [("bwd_chunk_kernel", (chunks, 2), 64, None)]
+        assert seen == want, mode
+
+
+def test_key_split_names(monkeypatch):
+    """bwd_key_slice: None by default, half the padded key block within [32, 64] on tensor
+    cores ([16, 64] with IEEE products); anything but auto / split refused, naming the
+    variable."""
+    split3, ieee = gdr_chunk.DOT_MODES["split3"], gdr_chunk.DOT_MODES["ieee"]
+    monkeypatch.delenv("FUSETUNE_GDR_BWD_K", raising=False)
+    assert gdr_chunk.bwd_key_slice(128, split3) is None
+    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", "auto")
+    assert gdr_chunk.bwd_key_slice(128, split3) is None
+    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", "split")
+    slices = {(256, split3): 64, (128, split3): 64, (64, split3): 32, (32, split3): 32,
+              (32, ieee): 16, (16, ieee): 16}  # fmt: skip
+    for (block, dot), want in slices.items():
+        assert gdr_chunk.bwd_key_slice(block, dot) == want, (block, dot)
+    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", "halves")
+    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_BWD_K must be 'auto' or 'split', got 'h"):
+        gdr_chunk.bwd_key_slice(128, split3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1024, K = V = 128")
