@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import sys
 
 import pytest
@@ -484,8 +485,15 @@ class LaunchSpy:
         return run
 
 
+def bwd_chunk_launched() -> str:
+    """The backward's last per-chunk kernel: bwd_chunk_split_kernel where FUSETUNE_GDR_BWD_K=split
+    (this file run with the split forced), else bwd_chunk_kernel."""
+    split = os.environ.get("FUSETUNE_GDR_BWD_K") == "split"
+    return "bwd_chunk_split_kernel" if split else "bwd_chunk_kernel"
+
+
 CHUNK_KERNELS = ("wy_kernel", "states_kernel", "output_kernel", "dstates_kernel",
-                 "bwd_pairs_kernel", "bwd_chunk_kernel")  # fmt: skip
+                 "bwd_pairs_kernel", bwd_chunk_launched())  # fmt: skip
 
 
 @pytest.mark.parametrize("dot,level", [("auto", "auto"), ("bf16", "auto"), ("auto", "d"),
@@ -666,8 +674,15 @@ def test_chunks_of_64_extreme_gates(monkeypatch, mode):
 KEY_SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, fixed options)
     "k40-groups-l2norm-bf16": (
-        dict(batch=1, seq_len=20, key_heads=1, value_heads=2, key_dim=40, value_dim=16,
-             unit_keys=False),
+        dict(
+            batch=1,
+            seq_len=20,
+            key_heads=1,
+            value_heads=2,
+            key_dim=40,
+            value_dim=16,
+            unit_keys=False,
+        ),
         torch.bfloat16,
         dict(use_qk_l2norm_in_kernel=True, scale=0.4),
     ),  # fmt: skip
@@ -682,8 +697,15 @@ KEY_SPLIT_CASES = {
         dict(use_qk_l2norm_in_kernel=True),
     ),
     "k128-l2norm-bf16": (
-        dict(batch=1, seq_len=20, key_heads=1, value_heads=1, key_dim=128, value_dim=32,
-             unit_keys=False),
+        dict(
+            batch=1,
+            seq_len=20,
+            key_heads=1,
+            value_heads=1,
+            key_dim=128,
+            value_dim=32,
+            unit_keys=False,
+        ),
         torch.bfloat16,
         dict(use_qk_l2norm_in_kernel=True),
     ),  # fmt: skip
@@ -755,8 +777,11 @@ def test_key_split_reaches_the_kernels(monkeypatch):
             assert seen == []
             continue
         if mode == "split":
-            want = [("bwd_chunk_split_kernel", (2 * chunks, 2), 32, 2),
-                    ("l2norm_bwd_kernel", (1,), 64, None), ("l2norm_bwd_kernel", (1,), 64, None)]
+            want = [
+                ("bwd_chunk_split_kernel", (2 * chunks, 2), 32, 2),
+                ("l2norm_bwd_kernel", (1,), 64, None),
+                ("l2norm_bwd_kernel", (1,), 64, None),
+            ]
         else:
             want = [("bwd_chunk_kernel", (chunks, 2), 64, None)]
         assert seen == want, mode
@@ -953,6 +978,8 @@ def test_heads_too_large_for_the_gpu_named(mode, kernel, backward, monkeypatch):
     x = make_inputs(batch=1, seq_len=8, initial_state=False)
     q, k, v, g, beta = (x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k", "v", "g",
                                                                          "beta"))  # fmt: skip
+    if kernel == "bwd_chunk_kernel":
+        kernel = bwd_chunk_launched()
     monkeypatch.setattr(gdr_recurrent if mode == "recurrent" else gdr_chunk, kernel,
                         harness.KernelOutOfSharedMemory())  # fmt: skip
 
