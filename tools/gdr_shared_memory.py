@@ -52,7 +52,8 @@ ARCH = int(os.environ.get("GDR_ARCH", "90"))  # GDR_ARCH=80: an A100 (its limit 
 SEQ_WARPS = os.environ.get("GDR_SEQ_WARPS")
 BWD_WARPS = int(os.environ.get("GDR_BWD_WARPS", "8"))  # bwd_chunk (the launcher's 8)
 # bwd_chunk_split_kernel (FUSETUNE_GDR_BWD_K=split): warps (the launcher's: bwd_chunk's) and
-# GDR_SPLIT_MAXNREG=N compiles it with ptxas' register cap N (Triton's maxnreg launch option)
+# GDR_SPLIT_MAXNREG=N compiles it with ptxas' register cap N (Triton's maxnreg launch option;
+# the split-pairs row's default is the launcher's 128, GDR_SPLIT_MAXNREG=0 lifts it)
 SPLIT_WARPS = int(os.environ.get("GDR_SPLIT_WARPS", str(BWD_WARPS)))
 SPLIT_MAXNREG = os.environ.get("GDR_SPLIT_MAXNREG")
 # GDR_ONLY=name,name: only those kernels (the names printed, e.g. bwd_chunk_split_kernel)
@@ -172,22 +173,34 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
         (
             "bwd_chunk_split_kernel",
             gdr_chunk.bwd_chunk_split_kernel,
-            dict(base, BVA=bwd_bv, BK=split, NK=-(-dim // split)),
+            dict(base, BVA=bwd_bv, BK=split, NK=-(-dim // split), PAIRS=True),
             SPLIT_WARPS,
+        ),
+        (  # FUSETUNE_GDR_BWD_K=split-pairs: the launcher caps it at 128 registers
+            "bwd_chunk_split_kernel (split-pairs)",
+            gdr_chunk.bwd_chunk_split_kernel,
+            dict(base, BVA=bwd_bv, BK=split, NK=-(-dim // split), PAIRS=False),
+            SPLIT_WARPS,
+        ),
+        (
+            "bwd_pair_grads_kernel",
+            gdr_chunk.bwd_pair_grads_kernel,
+            dict(base, BK=split, NK=-(-dim // split)),
+            4,
         ),
         ("l2norm_bwd_kernel", gdr_chunk.l2norm_bwd_kernel, dict(BR=4096 // dim, BK=dim), 4),
     ]
     # the launcher's stages: 2 for the sequential kernels with bf16 products and for the two
     # backward per-chunk kernels with tf32 products, else 1
     two = {"states_kernel": sequential, "dstates_kernel": sequential}
-    two.update(
-        dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel", "bwd_chunk_split_kernel"), tf32)
-    )
+    split_names = ("bwd_chunk_split_kernel", "bwd_chunk_split_kernel (split-pairs)")
+    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel", *split_names), tf32))
+    caps = {split_names[0]: SPLIT_MAXNREG, split_names[1]: SPLIT_MAXNREG or "128"}
     for name, kernel, consts, warps in jobs:
-        if ONLY and name not in ONLY:
+        if ONLY and name.split()[0] not in ONLY:
             continue
         stages = 2 if two.get(name) else 1
-        cap = int(SPLIT_MAXNREG) if SPLIT_MAXNREG and name == "bwd_chunk_split_kernel" else None
+        cap = int(caps[name]) if caps.get(name) else None
         compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages, cap)
         capped = f", maxnreg {cap}" if cap else ""
         print(

@@ -155,11 +155,19 @@ class _ChunkRun:
         # on sm_80 (a 9.8-22 KB stack, offline).
         self.bwd_pairs_launch = dict(self.per_chunk, num_stages=2 if tf32 else 1)
         self.bwd_chunk_launch = dict(self.wide, num_stages=2 if tf32 else 1)
-        # bwd_chunk_kernel split along K (FUSETUNE_GDR_BWD_K=split, an opt-in to measure): the
-        # key columns a program takes, or None for the one kernel. Read in the forward too, so
-        # that a bad value fails the call at once.
+        # bwd_chunk_kernel split along K (FUSETUNE_GDR_BWD_K=split | split-pairs, opt-ins to
+        # measure): the key columns a program takes, or None for the one kernel. Read in the
+        # forward too, so that a bad value fails the call at once.
         self.key_slice = gdr_chunk.bwd_key_slice(self.bk, dot)
-        self.bwd_split_launch = dict(self.bwd_chunk_launch, BK=self.key_slice)
+        self.pairs_apart = gdr_chunk.bwd_key_mode() == "split-pairs"
+        # With the pair products apart the split kernel fits 128 registers with 48 B of spill
+        # (tf32, offline), so two blocks of 8 warps an SM (else 202 registers, one block); the
+        # pair kernel at 4 warps takes 248 (two blocks an SM), no spill.
+        self.bwd_split_launch = dict(self.bwd_chunk_launch, BK=self.key_slice,
+                                     PAIRS=not self.pairs_apart)  # fmt: skip
+        if self.pairs_apart:
+            self.bwd_split_launch["maxnreg"] = 128
+        self.bwd_pair_grads_launch = dict(self.common, BK=self.key_slice, num_warps=4)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
         # The sequential kernels are latency-bound. dstates_kernel runs faster at 8 warps at both
@@ -264,9 +272,10 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     # freed before the gradients' buffers are allocated: no peak holds both (u_buf is d_buf
     # itself but with FUSETUNE_GDR_W=d)
     run.w_buf = run.u_buf = None
-    # (split along K with l2norm: fp32 gradients of the normalised q, k; see _bwd_chunk_split)
+    # (split along K with l2norm or the pair products apart: fp32; see _bwd_chunk_split)
     split = run.key_slice is not None
-    dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v, split and l2norm)
+    fp32 = split and (l2norm or run.pairs_apart)
+    dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v, fp32)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
     # (the token-pair gradients dQK; dKK + dKK^T goes over T in t_buf)
     dqk_buf = _utils.empty(run.t_buf.shape, f32, device)
@@ -292,17 +301,25 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
 def _bwd_chunk_split(plan, run, args, cu_arg, strides, block, l2norm):
     """bwd_chunk_kernel's work split along K (``gdr_chunk.bwd_chunk_split_kernel``): each
     program's share of the sums over K (dbeta's and dg's row terms) into a column of its own,
-    summed here; with l2norm dq, dk are the normalised rows' fp32 gradients, taken back through
-    the norm after the group sum (``gdr_chunk.l2norm_bwd_kernel``). Returns dq, dk (key
-    heads), dg, dbeta."""
+    summed here; with ``run.pairs_apart`` the token-pair products added after by
+    ``gdr_chunk.bwd_pair_grads_kernel`` (into fp32 dq, dk); with l2norm dq, dk are the
+    normalised rows' fp32 gradients, taken back through the norm after the group sum
+    (``gdr_chunk.l2norm_bwd_kernel``). Returns dq, dk (key heads), dg, dbeta."""
     q, k, *_, dq_buf, dk_buf, _, _ = args
     slices = _utils.cdiv(plan.key_dim, run.key_slice)
     parts = [_utils.empty((*dq_buf.shape[:3], slices), torch.float32, dq_buf.device)
              for _ in range(2)]  # fmt: skip
-    gdr_chunk.bwd_chunk_split_kernel[(run.max_chunks * slices, run.chunk_grid[1])](
+    grid = (run.max_chunks * slices, run.chunk_grid[1])
+    gdr_chunk.bwd_chunk_split_kernel[grid](
         *args, *parts, cu_arg, *strides, V=plan.value_dim, BVA=block, NK=slices,
         **run.bwd_split_launch,
     )
+    if run.pairs_apart:  # (FUSETUNE_GDR_BWD_K=split-pairs: dQK K, dQK^T Q, dKK2 K added after)
+        dqk_buf = args[8]
+        gdr_chunk.bwd_pair_grads_kernel[grid](
+            q, k, dqk_buf, run.t_buf, dq_buf, dk_buf, cu_arg, *bth_strides(q), *bth_strides(k),
+            *strides[-3:], NK=slices, **run.bwd_pair_grads_launch,
+        )
     dq, dk = _sum_group(dq_buf, plan), _sum_group(dk_buf, plan)
     if l2norm:
         dq, dk = _l2norm_bwd(q, dq), _l2norm_bwd(k, dk)
