@@ -305,7 +305,7 @@ def _bwd_chunk_split(plan, run, args, cu_arg, strides, block, l2norm):
     ``gdr_chunk.bwd_pair_grads_kernel`` (into fp32 dq, dk); with l2norm dq, dk are the
     normalised rows' fp32 gradients, taken back through the norm after the group sum
     (``gdr_chunk.l2norm_bwd_kernel``). Returns dq, dk (key heads), dg, dbeta."""
-    q, k, *_, dq_buf, dk_buf, _, _ = args
+    q, k, *_, dqk_buf, _, _, dq_buf, dk_buf, _, _ = args
     slices = _utils.cdiv(plan.key_dim, run.key_slice)
     parts = [_utils.empty((*dq_buf.shape[:3], slices), torch.float32, dq_buf.device)
              for _ in range(2)]  # fmt: skip
@@ -315,7 +315,6 @@ def _bwd_chunk_split(plan, run, args, cu_arg, strides, block, l2norm):
         **run.bwd_split_launch,
     )
     if run.pairs_apart:  # (FUSETUNE_GDR_BWD_K=split-pairs: dQK K, dQK^T Q, dKK2 K added after)
-        dqk_buf = args[8]
         gdr_chunk.bwd_pair_grads_kernel[grid](
             q, k, dqk_buf, run.t_buf, dq_buf, dk_buf, cu_arg, *bth_strides(q), *bth_strides(k),
             *strides[-3:], NK=slices, **run.bwd_pair_grads_launch,
