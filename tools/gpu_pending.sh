@@ -66,9 +66,10 @@
 #     FUSETUNE_GDR_DOT setting the checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
 #     under Triton 3.6 is the one its own guard refuses).
 #   bash tools/gpu_pending.sh gdr-exp   1 GPU, no carry (under 560 s, every step bounded; first
-#     call on a fresh machine: the kernels compile cold): branch gdr-experiments' opt-in modes,
-#     FUSETUNE_GDR_DOT=bf16 (FLA's precision) and FUSETUNE_GDR_W=d (bf16 D), none run on a GPU
-#     yet. (1) The sweep rows launcher's settings / bf16 products / bf16 products, bf16 D at B4
+#     call on a fresh machine: the kernels compile cold): the opt-in modes FUSETUNE_GDR_DOT=bf16
+#     (FLA's precision) and FUSETUNE_GDR_W=d (bf16 D); 2026-11-28 (21st) call 4 ran (1) and the
+#     file's -k bf16 cases (42 passed): 4.31 -> 4.00 / 4.08 ms at B4, 9.27 -> 8.63 / 8.21 at B1.
+#     (2) and (3) are still to run. (1) The sweep rows launcher's settings / bf16 products / bf16 products, bf16 D at B4
 #     T4096 then B1 T32768 (median of 3; the modes' speed against FLA's 4.11 / 6.39 ms). (2) The
 #     GDR GPU tests under the default (the file's own bf16-products cases set the modes: T1000
 #     D128 mild and strong decays, with and without W=d, and the CPU ones compiled). (3)
