@@ -429,9 +429,10 @@ def mm_exact(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start)."""
-    i_c = tl.program_id(0).to(tl.int64)
+def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr, NK: tl.constexpr = 1):
+    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start).
+    Program axis 0 is chunk * NK + key slice (the K-split grid; its slice: axis 0 % NK)."""
+    i_c = tl.program_id(0).to(tl.int64) // NK
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
@@ -826,6 +827,33 @@ def bwd_pairs_kernel(
 
 
 @triton.jit
+def _state_products(do_rows, d_buf, dd_buf, h_buf, dh_buf, buf_rows, mt, state0, ck, mk, V,
+                    BT: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr, DOT: tl.constexpr):
+    """The backward's sums over the value columns (blocks of BVA) for key columns ck of one
+    chunk: dO S0^T, D dS^T, -(T^T dD) S0^T as [BT, BK] fp32, and <dS, S0> (bwd_chunk_kernel
+    and its K-split both). do_rows: the chunk's dO row pointers."""
+    dQe = tl.zeros([BT, BK], dtype=tl.float32)
+    dKd = tl.zeros([BT, BK], dtype=tl.float32)
+    dkb = tl.zeros([BT, BK], dtype=tl.float32)
+    x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
+    for v0 in range(0, V, BVA):
+        cv = v0 + tl.arange(0, BVA)
+        mv = cv < V
+        mtv = mt[:, None] & mv[None, :]
+        dO_in = tl.load(do_rows[:, None] + cv[None, :], mask=mtv, other=0.0)
+        Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        dvb = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        state = state0 + ck[:, None] * V + cv[None, :]
+        S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
+        dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
+        dQe += mm(dO_in, tl.trans(S0), DOT)
+        dKd += mm(Dc, tl.trans(dS), DOT)
+        dkb -= mm(dvb, tl.trans(S0), DOT)  # T^T dW, dW = -dD S0^T
+        x0 += tl.sum(tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=1), axis=0)
+    return dQe, dKd, dkb, x0
+
+
+@triton.jit
 def bwd_chunk_kernel(
     q, k, beta, do, gc_buf, t_buf, d_buf, dd_buf, dqk_buf, h_buf, dh_buf, dq_buf, dk_buf,
     dbeta_buf, dg_buf, cu,
@@ -849,25 +877,9 @@ def bwd_chunk_kernel(
     i_hk = i_h // GROUP
     buf_rows = (i_b * T + rows) * HV + i_h
     state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
-    dQe = tl.zeros([BT, BK], dtype=tl.float32)
-    dKd = tl.zeros([BT, BK], dtype=tl.float32)
-    dkb = tl.zeros([BT, BK], dtype=tl.float32)
-    x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
-    for v0 in range(0, V, BVA):
-        cv = v0 + tl.arange(0, BVA)
-        mv = cv < V
-        mtv = mt[:, None] & mv[None, :]
-        dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
-                        mask=mtv, other=0.0)
-        Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        dvb = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        state = state0 + ck[:, None] * V + cv[None, :]
-        S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dQe += mm(dO_in, tl.trans(S0), DOT)
-        dKd += mm(Dc, tl.trans(dS), DOT)
-        dkb -= mm(dvb, tl.trans(S0), DOT)  # T^T dW, dW = -dD S0^T
-        x0 += tl.sum(tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=1), axis=0)
+    do_rows = do + i_b * sd_b + i_h * sd_h + rows * sd_t
+    dQe, dKd, dkb, x0 = _state_products(do_rows, d_buf, dd_buf, h_buf, dh_buf, buf_rows, mt,
+                                        state0, ck, mk, V, BT, BK, BVA, DOT)
     q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :], mask=mtk,
                    other=0.0)
     k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
@@ -991,13 +1003,8 @@ def bwd_pair_grads_kernel(
     """FUSETUNE_GDR_BWD_K=split-pairs: ``_pair_grads`` of one chunk, value head and slice of BK
     key columns (bwd_chunk_split_kernel's grid), added to what that kernel (without PAIRS) left
     in the fp32 dq_buf, dk_buf."""
-    pid0 = tl.program_id(0).to(tl.int64)
-    i_c, i_k = pid0 // NK, pid0 % NK
-    pid = tl.program_id(1).to(tl.int64)
-    i_n, i_h = pid // HV, pid % HV
-    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    start = bos + i_c * BT
-    end = tl.minimum(start + BT, eos)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, NK)
+    i_k = tl.program_id(0).to(tl.int64) % NK
     if start >= end:
         return
     rows = start + tl.arange(0, BT)
@@ -1039,13 +1046,8 @@ def bwd_chunk_split_kernel(
     ``l2norm_bwd_kernel`` (its <y, dy> needs every column); 1 / ||q||, 1 / ||k|| come from
     whole rows read a slice at a time. Without PAIRS the token-pair products are left to
     bwd_pair_grads_kernel, which adds them to the fp32 dq_buf, dk_buf after."""
-    pid0 = tl.program_id(0).to(tl.int64)
-    i_c, i_k = pid0 // NK, pid0 % NK
-    pid = tl.program_id(1).to(tl.int64)
-    i_n, i_h = pid // HV, pid % HV
-    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    start = bos + i_c * BT
-    end = tl.minimum(start + BT, eos)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, NK)
+    i_k = tl.program_id(0).to(tl.int64) % NK
     if start >= end:
         return
     r = tl.arange(0, BT)
@@ -1057,25 +1059,9 @@ def bwd_chunk_split_kernel(
     i_hk = i_h // GROUP
     buf_rows = (i_b * T + rows) * HV + i_h
     state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
-    dQe = tl.zeros([BT, BK], dtype=tl.float32)
-    dKd = tl.zeros([BT, BK], dtype=tl.float32)
-    dkb = tl.zeros([BT, BK], dtype=tl.float32)
-    x0 = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
-    for v0 in range(0, V, BVA):
-        cv = v0 + tl.arange(0, BVA)
-        mv = cv < V
-        mtv = mt[:, None] & mv[None, :]
-        dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
-                        mask=mtv, other=0.0)
-        Dc = tl.load(d_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        dvb = tl.load(dd_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
-        state = state0 + ck[:, None] * V + cv[None, :]
-        S0 = tl.load(h_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dS = tl.load(dh_buf + state, mask=mk[:, None] & mv[None, :], other=0.0)
-        dQe += mm(dO_in, tl.trans(S0), DOT)
-        dKd += mm(Dc, tl.trans(dS), DOT)
-        dkb -= mm(dvb, tl.trans(S0), DOT)  # T^T dW, dW = -dD S0^T
-        x0 += tl.sum(tl.sum(dS.to(tl.float32) * S0.to(tl.float32), axis=1), axis=0)
+    do_rows = do + i_b * sd_b + i_h * sd_h + rows * sd_t
+    dQe, dKd, dkb, x0 = _state_products(do_rows, d_buf, dd_buf, h_buf, dh_buf, buf_rows, mt,
+                                        state0, ck, mk, V, BT, BK, BVA, DOT)
     q_rows = i_b * sq_b + i_hk * sq_h + rows * sq_t
     k_rows = i_b * sk_b + i_hk * sk_h + rows * sk_t
     q_in = tl.load(q + q_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
