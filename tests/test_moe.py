@@ -557,7 +557,8 @@ def test_tma_path_warns_once_where_a_weight_keeps_pointer_loads(monkeypatch):
     tensors = _on_device(inputs())
     wide = torch.randn(E, 2 * INTER, 2 * H, device=DEVICE) / H**0.5
     tensors["gate_up"] = wide[:, :, ::2]  # strides (., 2H, 2): no unit stride
-    with pytest.warns(UserWarning, match="FUSETUNE_MOE_TMA.*neither of its last two strides"):
+    weight_warning = "FUSETUNE_MOE_TMA.*expert weight: neither of its last two strides"
+    with pytest.warns(UserWarning, match=weight_warning):
         out = op(fusetune.moe_mlp)(**dict(tensors))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (once: the second call is silent)

@@ -503,31 +503,31 @@ def _weight_desc(w: torch.Tensor, bn: int, bk: int, halves: bool = False):
         if halves:
             shape, strides, block = [e, k, 2, half], [se, sk, half, 1], [1, bk, 2, bn // 2]
     else:
-        return _tma_skipped("neither of its last two strides is 1")
+        return _tma_skipped("an expert weight: neither of its last two strides is 1"), False
     size = w.element_size()
     if w.data_ptr() % 16 or any(s * size % 16 for s in strides[:-1]) or 0 in shape:
-        return _tma_skipped("its base or a stride is not a multiple of 16 bytes")
+        return _tma_skipped("an expert weight's base or a stride is not 16-byte aligned"), False
     return TensorDescriptor(w, shape, strides, block), sk == 1
 
 
 _TMA_WARNED: set[str] = set()
 
 
-def _tma_skipped(why: str) -> tuple[None, bool]:
-    """(None, False), after one warning a reason: FUSETUNE_MOE_TMA asked for TMA and this
-    weight keeps pointer loads (no silent fallback)."""
+def _tma_skipped(why: str) -> None:
+    """No descriptor (None), after one warning a reason: FUSETUNE_MOE_TMA asked for TMA and
+    this operand keeps pointer loads (no silent fallback)."""
     if why not in _TMA_WARNED:
         _TMA_WARNED.add(why)
-        warnings.warn(f"fusetune.moe_mlp: {TMA_VARIABLE} is set, but an expert weight keeps "
-                      f"pointer loads: {why}", stacklevel=2)  # fmt: skip
-    return None, False
+        warnings.warn(f"fusetune.moe_mlp: {TMA_VARIABLE} is set, but an operand keeps pointer "
+                      f"loads: {why}", stacklevel=2)  # fmt: skip
+    return None
 
 
 def _rows_desc(a: torch.Tensor, k: int, bm: int, bk: int):
     """TMA descriptor of rows already in sorted order (a [S, >= k], unit columns) for [BM, BK]
     tiles, or None where the rows are not 16-byte aligned."""
     if a.data_ptr() % 16 or (a.stride(0) * a.element_size()) % 16:
-        return None
+        return _tma_skipped("sorted activation rows are not 16-byte aligned")
     return TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [bm, bk])
 
 
