@@ -536,11 +536,19 @@ def test_tma_path(monkeypatch, layout, mode):
 
 
 @pytest.mark.skipif(not uses_kernels(torch.empty(0, device=DEVICE)), reason="kernel path only")
-def test_tma_path_off_by_default(monkeypatch):
+def test_tma_path_default_follows_the_device(monkeypatch):
+    """Unset: mode 2 (x and dout copied into sorted order, [S, H] boxes) where the GPU has TMA,
+    no descriptors elsewhere (the interpreter, GPUs before Hopper); 0 turns it off anywhere."""
+    from fusetune.ops import moe
+
     made = _descriptor_spy(monkeypatch)
     tensors = _on_device(inputs())
     monkeypatch.delenv("FUSETUNE_MOE_TMA", raising=False)
     op(fusetune.moe_mlp)(**dict(tensors))
+    has_tma = moe._has_tma(tensors["x"].device)
+    assert has_tma == (DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
+    assert ((N * K, H) in made) == has_tma, made
+    made.clear()
     monkeypatch.setenv("FUSETUNE_MOE_TMA", "0")
     op(fusetune.moe_mlp)(**dict(tensors))
     assert made == []

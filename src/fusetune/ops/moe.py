@@ -29,17 +29,18 @@ Nothing uses atomics: results are deterministic. Not fused: the sort, offsets an
 kernels' loops would recompute them once per column tile), the K-sums of out and dx (torch),
 the bias part of d(w) (one [N, E] matmul).
 
-FUSETUNE_MOE_TMA=1 (opt-in, read per call; issue 21): the expert weights enter the gate/up
-forward, the GLU backward and the grouped mm through TMA (host tensor descriptors; Qwen's
-concatenated gate/up as one 4-d box of both halves), and so do the activation rows where they
-are already in sorted order (down forward, dx, the LoRA GEMMs of h / dgu); gathered rows
-(x[tok], dout[tok]) stay pointer loads. Weights whose strides TMA cannot take keep pointer loads.
+TMA (FUSETUNE_MOE_TMA, see tma_mode; by default on Hopper and later): the expert weights enter
+the gate/up forward, the GLU backward and the grouped mm through TMA (host tensor descriptors;
+Qwen's concatenated gate/up as one 4-d box of both halves), and so do the activation rows in
+sorted order (down forward, dx, the LoRA GEMMs of h / dgu, and x and dout copied into sorted
+order: Hopper's TMA cannot gather). Weights whose strides TMA cannot take keep pointer loads.
 
 Layout: kernels, launchers, registered ops, autograd Function, public function.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -471,18 +472,27 @@ def _blocks(dtype: torch.dtype, kernel: str = "mm") -> tuple[int, ...]:
 TMA_VARIABLE = "FUSETUNE_MOE_TMA"
 
 
-def tma_mode() -> int:
+def tma_mode(device: torch.device | None = None) -> int:
     """FUSETUNE_MOE_TMA=1: the expert weights enter the grouped GEMMs (gate/up forward, GLU
     backward, the plain grouped mm) through TMA (host tensor descriptors) instead of pointer
     loads, and so do activation rows already in sorted order; the gathered token rows stay
     pointer loads. 2: also copies x (forward) and dout (backward) into sorted order first
-    (S x H elements each), so that the gate/up forward and the GLU backward read both operands
-    through TMA: an experiment, to weigh the copy against gathered loads. Read per call (each
-    forward and backward); off (0) by default until measured on an H100 (issue 21)."""
-    value = os.environ.get(TMA_VARIABLE, "0").strip()
+    (S x H elements each, freed before the next [S, H] buffer: no higher peak), so that the
+    gate/up forward and the GLU backward read both operands through TMA. 0: pointer loads.
+    Unset: 2 on a GPU with TMA (compute capability 9.0 or later), else 0 (measured on an H200,
+    2026-11-28 twenty-second: NOTES). Read per call (each forward and backward)."""
+    value = os.environ.get(TMA_VARIABLE, "").strip()
+    if value == "":
+        return 2 if device is not None and _has_tma(device) else 0
     if value not in ("0", "1", "2"):
         raise ValueError(f"{TMA_VARIABLE} must be '0', '1' or '2', got {value!r}")
     return int(value)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return (device.type == "cuda" and not INTERPRET and TensorDescriptor is not None
+            and torch.cuda.get_device_capability(device)[0] >= 9)  # fmt: skip
 
 
 def _weight_desc(w: torch.Tensor, bn: int, bk: int, halves: bool = False):
@@ -514,9 +524,10 @@ _TMA_WARNED: set[str] = set()
 
 
 def _tma_skipped(why: str) -> None:
-    """No descriptor (None), after one warning a reason: FUSETUNE_MOE_TMA asked for TMA and
-    this operand keeps pointer loads (no silent fallback)."""
-    if why not in _TMA_WARNED:
+    """No descriptor (None), after one warning a reason where FUSETUNE_MOE_TMA asked for TMA
+    and this operand keeps pointer loads (no silent fallback; by default the choice of loads is
+    the kernel's own, as its tiles are)."""
+    if TMA_VARIABLE in os.environ and why not in _TMA_WARNED:
         _TMA_WARNED.add(why)
         warnings.warn(f"fusetune.moe_mlp: {TMA_VARIABLE} is set, but an operand keeps pointer "
                       f"loads: {why}", stacklevel=2)  # fmt: skip
@@ -547,7 +558,7 @@ class _Route:
     def __init__(self, topk_ids: torch.Tensor, experts: int, tokens=None, slots=None,
                  offsets=None):
         self.experts = experts
-        self.tma = tma_mode()  # read once per forward / backward call
+        self.tma = tma_mode(topk_ids.device)  # read once per forward / backward call
         if tokens is None:
             ids = topk_ids.reshape(-1).long()
             sorted_ids, order = torch.sort(ids, stable=True)
