@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import sys
 
 import pytest
@@ -278,7 +277,7 @@ OTHER_MODES = ["ieee"]
 
 
 @triton.jit
-def _split_kernel(x, hi, lo, N: tl.constexpr):
+def _tf32_halves_kernel(x, hi, lo, N: tl.constexpr):
     cols = tl.arange(0, N)
     high, low = gdr_chunk.tf32_split(tl.load(x + cols))
     tl.store(hi + cols, high)
@@ -301,7 +300,7 @@ def test_tf32_split():
     x[:4] = torch.tensor([0.0, 1.9999999, -1.9999999, 1e-40])
     x = x.to(DEVICE)
     hi, lo = torch.empty_like(x), torch.empty_like(x)
-    _split_kernel[(1,)](x, hi, lo, N=256)
+    _tf32_halves_kernel[(1,)](x, hi, lo, N=256)
     low_bits = 0x1FFF
     assert (hi.view(torch.int32) & low_bits).eq(0).all()
     assert (lo.view(torch.int32) & low_bits).eq(0).all()
@@ -485,15 +484,8 @@ class LaunchSpy:
         return run
 
 
-def bwd_chunk_launched() -> str:
-    """The backward's last per-chunk kernel: bwd_chunk_split_kernel where FUSETUNE_GDR_BWD_K is
-    split or split-pairs (this file run with a split forced), else bwd_chunk_kernel."""
-    split = os.environ.get("FUSETUNE_GDR_BWD_K", "auto") != "auto"
-    return "bwd_chunk_split_kernel" if split else "bwd_chunk_kernel"
-
-
 CHUNK_KERNELS = ("wy_kernel", "states_kernel", "output_kernel", "dstates_kernel",
-                 "bwd_pairs_kernel", bwd_chunk_launched())  # fmt: skip
+                 "bwd_pairs_kernel", "bwd_chunk_kernel")  # fmt: skip
 
 
 @pytest.mark.parametrize("dot,level", [("auto", "auto"), ("bf16", "auto"), ("auto", "d"),
@@ -520,14 +512,13 @@ def test_bf16_modes_reach_the_kernels(monkeypatch, dot, level):
 
 
 def test_bad_modes_named_by_the_op(monkeypatch):
-    """A bad FUSETUNE_GDR_DOT, FUSETUNE_GDR_W or FUSETUNE_GDR_BWD_K value fails the call itself
-    (the forward: the last is read there too) with a ValueError naming the variable (each is
-    read at every call, not at import)."""
+    """A bad FUSETUNE_GDR_DOT or FUSETUNE_GDR_W value fails the call itself with a ValueError
+    naming the variable (both are read at every call, not at import)."""
     inputs = make_inputs(batch=1, seq_len=5, initial_state=False)
     args = [inputs[n].to(DEVICE, torch.bfloat16) for n in ("q", "k", "v", "g", "beta")]
     if not uses_kernels(args[0]):
         pytest.skip("the reference path reads neither variable")
-    for name in ("FUSETUNE_GDR_DOT", "FUSETUNE_GDR_W", "FUSETUNE_GDR_BWD_K"):
+    for name in ("FUSETUNE_GDR_DOT", "FUSETUNE_GDR_W"):
         with monkeypatch.context() as env:
             env.setenv(name, "bf8")
             with pytest.raises(ValueError, match=rf"{name} must be .*got 'bf8'"):
@@ -666,146 +657,6 @@ def test_chunks_of_64_extreme_gates(monkeypatch, mode):
     fixed = dict(use_qk_l2norm_in_kernel=True)
     result = run_check(inputs, MODE_DTYPES[mode], "chunk", fixed=fixed)
     assert all(torch.isfinite(x).all() for x in result.grads.values())
-
-
-# FUSETUNE_GDR_BWD_K=split: bwd_chunk_kernel's work split along K (bwd_chunk_split_kernel, key
-# slices of min(64, K / 2) columns, at least 32 on tensor cores: K = 40 pads to 64 and takes two
-# slices, the second partial), its sums over K finished on the host and by l2norm_bwd_kernel;
-# split-pairs: the token-pair products in bwd_pair_grads_kernel after it.
-KEY_SPLIT_GROUPS = dict(batch=1, seq_len=20, key_heads=1, value_heads=2, value_dim=16)
-KEY_SPLIT_CASES = {
-    # name: (make_inputs arguments, dtype, fixed options, FUSETUNE_GDR_BWD_K)
-    "k40-groups-l2norm-bf16": (
-        dict(KEY_SPLIT_GROUPS, key_dim=40, unit_keys=False),
-        torch.bfloat16,
-        dict(use_qk_l2norm_in_kernel=True, scale=0.4),
-        "split",
-    ),
-    "k40-groups-fp16-pairs": (
-        dict(KEY_SPLIT_GROUPS, seq_len=19, key_dim=40),
-        torch.float16,
-        {},
-        "split-pairs",
-    ),
-    "k40-l2norm-fp32-pairs": (
-        dict(batch=1, seq_len=20, key_dim=40, value_dim=24, unit_keys=False),
-        torch.float32,
-        dict(use_qk_l2norm_in_kernel=True),
-        "split-pairs",
-    ),
-    "k128-l2norm-bf16": (
-        dict(KEY_SPLIT_GROUPS, value_heads=1, key_dim=128, value_dim=32, unit_keys=False),
-        torch.bfloat16,
-        dict(use_qk_l2norm_in_kernel=True),
-        "split",
-    ),
-    "k128-groups-l2norm-bf16-pairs": (
-        dict(KEY_SPLIT_GROUPS, key_dim=128, unit_keys=False),
-        torch.bfloat16,
-        dict(use_qk_l2norm_in_kernel=True),
-        "split-pairs",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(KEY_SPLIT_CASES))
-def test_key_split(monkeypatch, case):
-    """The backward split along K within its dtype's tolerance of the float64 oracle, and of
-    the default path (same inputs and upstream gradients) within fp32's for fp32: grouped
-    heads, l2norm, several chunks, an initial state."""
-    shape, dtype, fixed, split = KEY_SPLIT_CASES[case]
-    inputs = make_inputs(**shape)
-    results = {}
-    for mode in (split, "auto"):
-        monkeypatch.setenv("FUSETUNE_GDR_BWD_K", mode)
-        torch.manual_seed(1)  # (the same upstream gradients)
-        results[mode] = run_check(inputs, dtype, "chunk", fixed=fixed)
-    tol = harness.tolerance(dtype)
-    for name, grad in results[split].grads.items():
-        assert_close(f"split vs default: grad {name}", grad, results["auto"].grads[name], tol)
-
-
-@pytest.mark.parametrize("split", ["split", "split-pairs"])
-def test_key_split_varlen(monkeypatch, split):
-    """Packed sequences (one empty, one of a single token) split along K, bf16, K = 40."""
-    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", split)
-    offsets = [0, 5, 5, 17, 18, 30]
-    inputs = make_inputs(batch=1, seq_len=offsets[-1], key_dim=40, n_seq=len(offsets) - 1)
-    check_packed(inputs, offsets, torch.bfloat16, torch.int32)
-
-
-class GridSpy:
-    """A kernel that records (name, grid, BK, NK) of each launch into ``seen``."""
-
-    def __init__(self, name, seen) -> None:
-        self.name, self.seen, self.kernel = name, seen, getattr(gdr_chunk, name)
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.seen.append((self.name, tuple(grid), kwargs.get("BK"), kwargs.get("NK")))
-            return launch(*args, **kwargs)
-
-        return run
-
-
-def test_key_split_reaches_the_kernels(monkeypatch):
-    """FUSETUNE_GDR_BWD_K, read at every call: split launches bwd_chunk_split_kernel on a grid
-    of chunks x key slices (K = 40: two slices of 32) and, with l2norm, l2norm_bwd_kernel for
-    dq and dk, never bwd_chunk_kernel; split-pairs bwd_pair_grads_kernel too, on the same grid;
-    auto (and unset) the one kernel alone."""
-    seen = []
-    names = ("bwd_chunk_kernel", "bwd_chunk_split_kernel", "bwd_pair_grads_kernel",
-             "l2norm_bwd_kernel")  # fmt: skip
-    for name in names:
-        monkeypatch.setattr(gdr_chunk, name, GridSpy(name, seen))
-    inputs = make_inputs(batch=1, seq_len=20, key_dim=40, value_dim=16, initial_state=False,
-                         unit_keys=False)  # fmt: skip
-    leaves = [inputs[n].to(DEVICE, torch.bfloat16).requires_grad_() for n in ("q", "k", "v")]
-    g, beta = (inputs[n].to(DEVICE) for n in ("g", "beta"))
-    chunks = math.ceil(20 / gdr_chunk.chunk_size(fusetune._utils.INTERPRET, 40))
-    for mode in ("split", "split-pairs", "auto", None):
-        seen.clear()
-        if mode is None:
-            monkeypatch.delenv("FUSETUNE_GDR_BWD_K")
-        else:
-            monkeypatch.setenv("FUSETUNE_GDR_BWD_K", mode)
-        o, _ = fusetune.gated_delta_rule(*leaves, g, beta, use_qk_l2norm_in_kernel=True)
-        o.float().sum().backward()
-        if not uses_kernels(leaves[0]):
-            assert seen == []
-            continue
-        if mode in ("split", "split-pairs"):
-            want = [("bwd_chunk_split_kernel", (2 * chunks, 2), 32, 2)]
-            if mode == "split-pairs":
-                want.append(("bwd_pair_grads_kernel", (2 * chunks, 2), 32, 2))
-            want += [("l2norm_bwd_kernel", (1,), 64, None)] * 2
-        else:
-            want = [("bwd_chunk_kernel", (chunks, 2), 64, None)]
-        assert seen == want, mode
-
-
-def test_key_split_names(monkeypatch):
-    """bwd_key_slice: None by default, half the padded key block within [32, 64] on tensor
-    cores ([16, 64] with IEEE products) for either split; anything but auto / split /
-    split-pairs refused, naming the variable."""
-    split3, ieee = gdr_chunk.DOT_MODES["split3"], gdr_chunk.DOT_MODES["ieee"]
-    monkeypatch.delenv("FUSETUNE_GDR_BWD_K", raising=False)
-    assert gdr_chunk.bwd_key_slice(128, split3) is None
-    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", "auto")
-    assert gdr_chunk.bwd_key_slice(128, split3) is None
-    slices = {(256, split3): 64, (128, split3): 64, (64, split3): 32, (32, split3): 32,
-              (32, ieee): 16, (16, ieee): 16}  # fmt: skip
-    for mode in ("split", "split-pairs"):
-        monkeypatch.setenv("FUSETUNE_GDR_BWD_K", mode)
-        assert gdr_chunk.bwd_key_mode() == mode
-        for (block, dot), want in slices.items():
-            assert gdr_chunk.bwd_key_slice(block, dot) == want, (mode, block, dot)
-    monkeypatch.setenv("FUSETUNE_GDR_BWD_K", "halves")
-    match = r"FUSETUNE_GDR_BWD_K must be one of \('auto', 'split', 'split-pairs'\), got 'halves'"
-    with pytest.raises(ValueError, match=match):
-        gdr_chunk.bwd_key_slice(128, split3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU pass only: T = 1024, K = V = 128")
@@ -980,8 +831,6 @@ def test_heads_too_large_for_the_gpu_named(mode, kernel, backward, monkeypatch):
     x = make_inputs(batch=1, seq_len=8, initial_state=False)
     q, k, v, g, beta = (x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k", "v", "g",
                                                                          "beta"))  # fmt: skip
-    if kernel == "bwd_chunk_kernel":
-        kernel = bwd_chunk_launched()
     monkeypatch.setattr(gdr_recurrent if mode == "recurrent" else gdr_chunk, kernel,
                         harness.KernelOutOfSharedMemory())  # fmt: skip
 

@@ -38,35 +38,8 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # operand rounded to bf16 (FLA's precision), and the writes D stored in bf16 on top
     "bf16 products": {"env": {"FUSETUNE_GDR_DOT": "bf16"}},
     "bf16 products, bf16 D": {"env": {"FUSETUNE_GDR_DOT": "bf16", "FUSETUNE_GDR_W": "d"}},
-    # bwd_chunk_kernel's work split along K (FUSETUNE_GDR_BWD_K=split, branch gdr-bwd-ksplit):
-    # offline (sm_90, Triton 3.6, tf32 l2norm) 8 warps 255 registers with no spill (the one
-    # kernel: 896 B); 4 warps or a cap of 128 registers (ptxas' maxnreg) spill (336 / 528 B),
-    # but fit 2 blocks an SM. split-pairs: the pair products in a kernel after it, the split
-    # kernel capped at 128 (the launcher's; 48 B spill), or uncapped (202, no spill, 1 block)
-    "bwd K split": {"env": {"FUSETUNE_GDR_BWD_K": "split"}},
-    "bwd K split-pairs": {"env": {"FUSETUNE_GDR_BWD_K": "split-pairs"}},
-    "bwd K split-pairs, no register cap": {
-        "env": {"FUSETUNE_GDR_BWD_K": "split-pairs"},
-        "bwd_chunk_split_kernel": dict(maxnreg=None),
-    },
-    "bwd K split, 4 warps": {
-        "env": {"FUSETUNE_GDR_BWD_K": "split"},
-        "bwd_chunk_split_kernel": dict(num_warps=4),
-    },
-    "bwd K split, 128 registers": {
-        "env": {"FUSETUNE_GDR_BWD_K": "split"},
-        "bwd_chunk_split_kernel": dict(maxnreg=128),
-    },
-    "bf16 products, bf16 D, K split": {
-        "env": {"FUSETUNE_GDR_DOT": "bf16", "FUSETUNE_GDR_W": "d", "FUSETUNE_GDR_BWD_K": "split"}
-    },
-    "bf16 products, bf16 D, K split-pairs": {
-        "env": {
-            "FUSETUNE_GDR_DOT": "bf16",
-            "FUSETUNE_GDR_W": "d",
-            "FUSETUNE_GDR_BWD_K": "split-pairs",
-        }
-    },
+    # (bwd_chunk_kernel's work split along K, split and split-pairs: removed 2026-11-28
+    # twenty-second, no win on an H200: docs/bench/session-2026-11-28-twentysecond/call-01)
     "states 8 warps": {"states_kernel": dict(num_warps=8)},
     "states 4 warps": {"states_kernel": dict(num_warps=4)},
     "dstates 4 warps": {"dstates_kernel": dict(num_warps=4)},

@@ -15,8 +15,7 @@ divisible by 16 (Triton 3.6's LLVM aborted on GSA's recurrent kernels only with 
 W and the sequential kernels' products follow the launcher's rule (``gdr_chunk.sequential_bf16``:
 bf16 in tf32 mode with bf16 inputs); FUSETUNE_GDR_W=fp32 compiles them as before (fp32 W, tf32),
 FUSETUNE_GDR_W=w with bf16 W and bf16 products only where W is an operand, FUSETUNE_GDR_W=d
-with the writes D (d_buf) in bf16 too. bwd_chunk_split_kernel and l2norm_bwd_kernel
-(FUSETUNE_GDR_BWD_K=split) are compiled in every mode: see GDR_SPLIT_WARPS, GDR_SPLIT_MAXNREG.
+with the writes D (d_buf) in bf16 too. GDR_ONLY=name,name compiles only those kernels.
 
     PYTHONPATH=/tmp/t36:src python tools/gdr_shared_memory.py 128 tf32 l2norm hints  # default
     PYTHONPATH=/tmp/t36:src python tools/gdr_shared_memory.py 128 bf16 l2norm hints
@@ -31,7 +30,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from unittest import mock
 
 os.environ.pop("FUSETUNE_INTERPRET", None)
 
@@ -43,20 +41,15 @@ from triton.compiler import ASTSource  # noqa: E402
 from fusetune.ops.linear_attention import gdr_chunk  # noqa: E402
 
 FLOATS = ("scale",)
-INPUTS = ("q", "k", "v", "beta", "do", "o", "dv", "x", "dx")  # pointers in the input dtype
+INPUTS = ("q", "k", "v", "beta", "do", "o", "dv")  # pointers in the input dtype
 DOTS = gdr_chunk.DOT_MODES
-INTS = ("T", "HV", "K", "V", "H", "rows_total")  # every other non-constexpr one is a pointer
+INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
 ARCH = int(os.environ.get("GDR_ARCH", "90"))  # GDR_ARCH=80: an A100 (its limit 166912 bytes)
 # Warps of states / dstates: the launcher's by default (states 4, 8 where its programs are
 # fewer than the SMs; dstates 8); GDR_SEQ_WARPS=N sets both.
 SEQ_WARPS = os.environ.get("GDR_SEQ_WARPS")
 BWD_WARPS = int(os.environ.get("GDR_BWD_WARPS", "8"))  # bwd_chunk (the launcher's 8)
-# bwd_chunk_split_kernel (FUSETUNE_GDR_BWD_K=split): warps (the launcher's: bwd_chunk's) and
-# GDR_SPLIT_MAXNREG=N compiles it with ptxas' register cap N (Triton's maxnreg launch option;
-# the split-pairs row's default is the launcher's 128, GDR_SPLIT_MAXNREG=0 lifts it)
-SPLIT_WARPS = int(os.environ.get("GDR_SPLIT_WARPS", str(BWD_WARPS)))
-SPLIT_MAXNREG = os.environ.get("GDR_SPLIT_MAXNREG")
-# GDR_ONLY=name,name: only those kernels (the names printed, e.g. bwd_chunk_split_kernel)
+# GDR_ONLY=name,name: only those kernels (the names printed, e.g. bwd_chunk_kernel)
 ONLY = [name for name in os.environ.get("GDR_ONLY", "").split(",") if name]
 
 
@@ -69,13 +62,7 @@ def seq_bf16(dtype: str, dot: int) -> int:
 
 
 def compile_kernel(
-    kernel,
-    consts: dict,
-    num_warps: int,
-    dtype: str,
-    hints: bool = False,
-    num_stages: int = 1,
-    maxnreg: int | None = None,
+    kernel, consts: dict, num_warps: int, dtype: str, hints: bool = False, num_stages: int = 1
 ):
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -102,8 +89,6 @@ def compile_kernel(
         else:
             signature[name] = "*fp32"
     options = dict(num_warps=num_warps, num_stages=num_stages)
-    if maxnreg:
-        options["maxnreg"] = maxnreg
     compiled = triton.compile(
         ASTSource(kernel, signature, constexprs, attrs),
         target=GPUTarget("cuda", ARCH, 32),
@@ -141,8 +126,6 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     bt = gdr_chunk.chunk_size(False, dim)
     state_bv = 32 if dim <= 128 else 16  # gdr_recurrent.block_v
     bwd_bv = gdr_chunk.bwd_block_v(dim, dim, DOTS[mode])
-    with mock.patch.dict(os.environ, FUSETUNE_GDR_BWD_K="split"):  # (the launcher's slice)
-        split = gdr_chunk.bwd_key_slice(max(gdr_chunk.min_block(DOTS[mode]), dim), DOTS[mode])
     base = dict(GROUP=1, BT=bt, BK=dim, VARLEN=False, DOT=DOTS[mode], L2NORM=dtype == "l2norm")
     tf32 = gdr_chunk.tf32_buffers(DOTS[mode])  # (tf32 and bf16 products)
     per_chunk = 4 if tf32 else 8  # the launcher's warps for wy and output
@@ -170,41 +153,18 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
         ),
         ("bwd_pairs_kernel", gdr_chunk.bwd_pairs_kernel, dict(base, BVA=bwd_bv), per_chunk),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
-        (
-            "bwd_chunk_split_kernel",
-            gdr_chunk.bwd_chunk_split_kernel,
-            dict(base, BVA=bwd_bv, BK=split, NK=-(-dim // split), PAIRS=True),
-            SPLIT_WARPS,
-        ),
-        (  # FUSETUNE_GDR_BWD_K=split-pairs: the launcher caps it at 128 registers
-            "bwd_chunk_split_kernel (split-pairs)",
-            gdr_chunk.bwd_chunk_split_kernel,
-            dict(base, BVA=bwd_bv, BK=split, NK=-(-dim // split), PAIRS=False),
-            SPLIT_WARPS,
-        ),
-        (
-            "bwd_pair_grads_kernel",
-            gdr_chunk.bwd_pair_grads_kernel,
-            dict(base, BK=split, NK=-(-dim // split)),
-            4,
-        ),
-        ("l2norm_bwd_kernel", gdr_chunk.l2norm_bwd_kernel, dict(BR=4096 // dim, BK=dim), 4),
     ]
     # the launcher's stages: 2 for the sequential kernels with bf16 products and for the two
     # backward per-chunk kernels with tf32 products, else 1
     two = {"states_kernel": sequential, "dstates_kernel": sequential}
-    split_names = ("bwd_chunk_split_kernel", "bwd_chunk_split_kernel (split-pairs)")
-    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel", *split_names), tf32))
-    caps = {split_names[0]: SPLIT_MAXNREG, split_names[1]: SPLIT_MAXNREG or "128"}
+    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel"), tf32))
     for name, kernel, consts, warps in jobs:
         if ONLY and name.split()[0] not in ONLY:
             continue
         stages = 2 if two.get(name) else 1
-        cap = int(caps[name]) if caps.get(name) else None
-        compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages, cap)
-        capped = f", maxnreg {cap}" if cap else ""
+        compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages)
         print(
-            f"K=V={dim} chunk {bt} {mode} {dtype} {name} ({warps} warps, {stages} stages{capped}): "
+            f"K=V={dim} chunk {bt} {mode} {dtype} {name} ({warps} warps, {stages} stages): "
             f"{resources(compiled)}",
             flush=True,
         )

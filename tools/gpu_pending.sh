@@ -76,14 +76,7 @@
 #     tools/gdr_accuracy.py (B2 T2048 H4 D128 against float64, each W / DOT setting, a row as it
 #     ends; no FLA row without .peers). (4) With 60 s or more left, the file's bf16 cases again
 #     with FUSETUNE_GDR_DOT=bf16 forced on them (the test_matrix bf16 column among them).
-#   bash tools/gpu_pending.sh gdr-ksplit 1 GPU, no carry (under 560 s on a cold H100, every step
-#     bounded): branch gdr-bwd-ksplit's FUSETUNE_GDR_BWD_K=split / split-pairs (bwd_chunk_kernel
-#     split along K; split-pairs with the pair products in a kernel after it; never run on a
-#     GPU). (1) Sweep rows launcher's settings / bwd K split (and capped at 128 registers) /
-#     split-pairs (capped, the launcher's, and uncapped) / bf16 products, bf16 D without and with
-#     either split, at B4 T4096 then B1 T32768 (median of 3). (2) The GDR GPU tests with the
-#     split forced, -v (a run cut by its bound still says which passed); then with split-pairs
-#     forced on the file's key-split, l2norm and bf16 cases if 60 s are left.
+#   gdr-ksplit: removed 2026-11-28 (twenty-second): measured on an H200, docs/bench/session-2026-11-28-twentysecond/call-01; no win
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
@@ -188,33 +181,6 @@ if [ "${1:-}" = gdr-exp ]; then  # the opt-in bf16 products / bf16 D: speed, tes
       tests/test_gated_delta_rule.py -k bf16 2>&1 | tee "$OUT/gdr-exp-tests-forced.log" | tail -4
   fi
   echo "done in $SECONDS s"
-  exit 0
-fi
-if [ "${1:-}" = gdr-ksplit ]; then  # bwd_chunk split along K: speed both ways, tests forced
-  export PYTHONPATH=src:tests:tools
-  rows=(--only "launcher's settings" --only "bwd K split" --only "bwd K split, 128 registers"
-        --only "bwd K split-pairs" --only "bwd K split-pairs, no register cap"
-        --only "bf16 products, bf16 D" --only "bf16 products, bf16 D, K split"
-        --only "bf16 products, bf16 D, K split-pairs")
-  # (B4 compiles every kernel cold for tf32 and for bf16 products; B1 finds them cached)
-  timeout 240 python3 tools/gdr_launch_sweep.py --repeats 3 --batch 4 --seq-len 4096 \
-    "${rows[@]}" 2>&1 | tee -a "$OUT/gdr-ksplit-sweep.log"
-  timeout 110 python3 tools/gdr_launch_sweep.py --repeats 3 --batch 1 --seq-len 32768 \
-    "${rows[@]}" 2>&1 | tee -a "$OUT/gdr-ksplit-sweep.log"
-  echo "sweep done at $SECONDS s" | tee -a "$OUT/gdr-ksplit-sweep.log"
-  left=$((550 - SECONDS))
-  if [ "$left" -ge 60 ]; then
-    FUSETUNE_GDR_BWD_K=split timeout "$left" python3 -m pytest -v -p no:cacheprovider -n 14 \
-      tests/test_gated_delta_rule.py 2>&1 | tee "$OUT/gdr-ksplit-tests.log" | tail -4
-  fi
-  echo "split tests done at $SECONDS s" | tee -a "$OUT/gdr-ksplit-tests.log"
-  left=$((550 - SECONDS))
-  if [ "$left" -ge 60 ]; then
-    FUSETUNE_GDR_BWD_K=split-pairs timeout "$left" python3 -m pytest -v -p no:cacheprovider \
-      -n 14 tests/test_gated_delta_rule.py -k "key_split or l2norm or bf16" 2>&1 \
-      | tee "$OUT/gdr-ksplit-pairs-tests.log" | tail -4
-  fi
-  echo "done in $SECONDS s" | tee -a "$OUT/gdr-ksplit-tests.log"
   exit 0
 fi
 if [ "${1:-}" = gdr-probe ]; then  # the bf16 W faults: every level x candidate fix

@@ -155,19 +155,6 @@ class _ChunkRun:
         # on sm_80 (a 9.8-22 KB stack, offline).
         self.bwd_pairs_launch = dict(self.per_chunk, num_stages=2 if tf32 else 1)
         self.bwd_chunk_launch = dict(self.wide, num_stages=2 if tf32 else 1)
-        # bwd_chunk_kernel split along K (FUSETUNE_GDR_BWD_K=split | split-pairs, opt-ins to
-        # measure): the key columns a program takes, or None for the one kernel. Read in the
-        # forward too, so that a bad value fails the call at once.
-        self.key_slice = gdr_chunk.bwd_key_slice(self.bk, dot)
-        self.pairs_apart = gdr_chunk.bwd_key_mode() == "split-pairs"
-        # With the pair products apart the split kernel fits 128 registers with 48 B of spill
-        # (tf32, offline), so two blocks of 8 warps an SM (else 202 registers, one block); the
-        # pair kernel at 4 warps takes 248 (two blocks an SM), no spill.
-        self.bwd_split_launch = dict(self.bwd_chunk_launch, BK=self.key_slice,
-                                     PAIRS=not self.pairs_apart)  # fmt: skip
-        if self.pairs_apart:
-            self.bwd_split_launch["maxnreg"] = 128
-        self.bwd_pair_grads_launch = dict(self.common, BK=self.key_slice, num_warps=4)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
         # The sequential kernels are latency-bound. dstates_kernel runs faster at 8 warps at both
@@ -243,8 +230,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     dh0 = _utils.empty(plan.state_shape, f32, device)
     if plan.empty():
         dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
-        dq, dk, *rest = _input_grads(plan, q, k, v)
-        return (_sum_group(dq, plan), _sum_group(dk, plan), *rest, dh0)
+        return (*_input_grads(plan, q, k, v), dh0)
     run = _ChunkRun(plan, v, l2norm, backward=True)
     cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.u_buf.shape, f32, device)
@@ -272,10 +258,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     # freed before the gradients' buffers are allocated: no peak holds both (u_buf is d_buf
     # itself but with FUSETUNE_GDR_W=d)
     run.w_buf = run.u_buf = None
-    # (split along K with l2norm or the pair products apart: fp32; see _bwd_chunk_split)
-    split = run.key_slice is not None
-    fp32 = split and (l2norm or run.pairs_apart)
-    dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v, fp32)
+    dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
     # (the token-pair gradients dQK; dKK + dKK^T goes over T in t_buf)
     dqk_buf = _utils.empty(run.t_buf.shape, f32, device)
@@ -285,68 +268,22 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
         *bth_strides(do), *bth_strides(dv), scale, plan.seq_len, plan.value_heads,
         V=plan.value_dim, BVA=block, **run.bwd_pairs_launch,
     )
-    args = (q, k, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, run.h_buf,
-            dh_buf, dq_buf, dk_buf, dbeta_buf, dg_buf)
-    strides = (*bth_strides(q), *bth_strides(k), *beta.stride(), *bth_strides(do), scale,
-               plan.seq_len, plan.value_heads)
-    if split:
-        dq, dk, dg, dbeta = _bwd_chunk_split(plan, run, args, cu_arg, strides, block, l2norm)
-        return dq, dk, dv, dg, dbeta, dh0
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
-        *args, cu_arg, *strides, V=plan.value_dim, BVA=block, **run.bwd_chunk_launch,
+        q, k, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, run.h_buf, dh_buf,
+        dq_buf, dk_buf, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
+        *beta.stride(), *bth_strides(do), scale, plan.seq_len, plan.value_heads,
+        V=plan.value_dim, BVA=block, **run.bwd_chunk_launch,
     )
-    return _sum_group(dq_buf, plan), _sum_group(dk_buf, plan), dv, dg_buf, dbeta_buf, dh0
+    return dq_buf, dk_buf, dv, dg_buf, dbeta_buf, dh0
 
 
-def _bwd_chunk_split(plan, run, args, cu_arg, strides, block, l2norm):
-    """bwd_chunk_kernel's work split along K (``gdr_chunk.bwd_chunk_split_kernel``): each
-    program's share of the sums over K (dbeta's and dg's row terms) into a column of its own,
-    summed here; with ``run.pairs_apart`` the token-pair products added after by
-    ``gdr_chunk.bwd_pair_grads_kernel`` (into fp32 dq, dk); with l2norm dq, dk are the
-    normalised rows' fp32 gradients, taken back through the norm after the group sum
-    (``gdr_chunk.l2norm_bwd_kernel``). Returns dq, dk (key heads), dg, dbeta."""
-    q, k, *_, dqk_buf, _, _, dq_buf, dk_buf, _, _ = args
-    slices = _utils.cdiv(plan.key_dim, run.key_slice)
-    parts = [_utils.empty((*dq_buf.shape[:3], slices), torch.float32, dq_buf.device)
-             for _ in range(2)]  # fmt: skip
-    grid = (run.max_chunks * slices, run.chunk_grid[1])
-    gdr_chunk.bwd_chunk_split_kernel[grid](
-        *args, *parts, cu_arg, *strides, V=plan.value_dim, BVA=block, NK=slices,
-        **run.bwd_split_launch,
-    )
-    if run.pairs_apart:  # (FUSETUNE_GDR_BWD_K=split-pairs: dQK K, dQK^T Q, dKK2 K added after)
-        gdr_chunk.bwd_pair_grads_kernel[grid](
-            q, k, dqk_buf, run.t_buf, dq_buf, dk_buf, cu_arg, *bth_strides(q), *bth_strides(k),
-            *strides[-3:], NK=slices, **run.bwd_pair_grads_launch,
-        )
-    dq, dk = _sum_group(dq_buf, plan), _sum_group(dk_buf, plan)
-    if l2norm:
-        dq, dk = _l2norm_bwd(q, dq), _l2norm_bwd(k, dk)
-    return dq, dk, parts[1].sum(-1), parts[0].sum(-1)
-
-
-def _l2norm_bwd(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of x [B, T, H, K] from ``grad`` (fp32, contiguous), that of its
-    l2-normalised rows, in x's dtype."""
-    out = _utils.empty(x.shape, x.dtype, x.device)
-    batch, seq_len, heads, key_dim = x.shape
-    n_rows = batch * seq_len * heads
-    block = _utils.next_power_of_2(key_dim)
-    rows = max(1, 4096 // block)  # a program's rows: 4096 elements
-    gdr_chunk.l2norm_bwd_kernel[(_utils.cdiv(n_rows, rows),)](
-        x, grad, out, *bth_strides(x), seq_len, heads, key_dim, n_rows, BR=rows, BK=block,
-        num_warps=4,
-    )
-    return out
-
-
-def _input_grads(plan, q, k, v, fp32=False):
+def _input_grads(plan, q, k, v):
     """The chunked backward's outputs (dq, dk, dv, dg, dbeta), unfilled. Without groups the
-    kernel writes dq, dk in their own dtypes; with groups (or ``fp32``) fp32 per value head,
-    summed over the group after."""
+    kernel writes dq, dk in their own dtypes; with groups fp32 per value head, summed over the
+    group after."""
     rows = (plan.batch, plan.seq_len, plan.value_heads)
     dq_buf, dk_buf = (_utils.empty((*rows, plan.key_dim), torch.float32 if plan.group > 1
-                                   or fp32 else x.dtype, v.device) for x in (q, k))
+                                   else x.dtype, v.device) for x in (q, k))
     dbeta_buf, dg_buf = (_utils.empty(rows, torch.float32, v.device) for _ in range(2))
     return dq_buf, dk_buf, _utils.empty(v.shape, v.dtype, v.device), dg_buf, dbeta_buf
 
@@ -361,6 +298,7 @@ def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_fina
     if chunked:
         dq, dk, dv, dg, dbeta, dh0 = _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu,
                                                        scale, l2norm)
+        dq, dk = (_sum_group(x, plan) for x in (dq, dk))
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
     rows = (plan.batch, plan.seq_len, plan.value_heads)
     nvb, key_dim, value_dim = plan.n_vblocks, plan.key_dim, plan.value_dim

@@ -429,10 +429,9 @@ def mm_exact(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr, NK: tl.constexpr = 1):
-    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start).
-    Program axis 0 is chunk * NK + key slice (the K-split grid; its slice: axis 0 % NK)."""
-    i_c = tl.program_id(0).to(tl.int64) // NK
+def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start)."""
+    i_c = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
@@ -830,8 +829,8 @@ def bwd_pairs_kernel(
 def _state_products(do_rows, d_buf, dd_buf, h_buf, dh_buf, buf_rows, mt, state0, ck, mk, V,
                     BT: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr, DOT: tl.constexpr):
     """The backward's sums over the value columns (blocks of BVA) for key columns ck of one
-    chunk: dO S0^T, D dS^T, -(T^T dD) S0^T as [BT, BK] fp32, and <dS, S0> (bwd_chunk_kernel
-    and its K-split both). do_rows: the chunk's dO row pointers."""
+    chunk: dO S0^T, D dS^T, -(T^T dD) S0^T as [BT, BK] fp32, and <dS, S0> (bwd_chunk_kernel's
+    value loop). do_rows: the chunk's dO row pointers."""
     dQe = tl.zeros([BT, BK], dtype=tl.float32)
     dKd = tl.zeros([BT, BK], dtype=tl.float32)
     dkb = tl.zeros([BT, BK], dtype=tl.float32)
@@ -917,199 +916,3 @@ def bwd_chunk_kernel(
     tl.store(dk_buf + out_k, dk.to(dk_buf.dtype.element_ty), mask=mtk)
     tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
     tl.store(dg_buf + buf_rows, dg, mask=mt)
-
-
-# ------------------------------------------------- bwd_chunk split along K (FUSETUNE_GDR_BWD_K)
-# Nsight Compute, H100, B4 T4096 H16 D128 bf16: bwd_chunk_kernel is the largest kernel (1.44 ms),
-# 255 registers with 896 B of spill a thread, one block an SM, latency-bound (issue rate 0.17).
-# Its three [BT, K] fp32 sums over the value columns are most of that. FLA's chunk_bwd_dqkwg
-# gives each program BK = 64 key columns instead, and finishes the row sums that need all of K
-# in a second step; bwd_chunk_split_kernel does the same, as an opt-in to measure. Offline
-# (sm_90, Triton 3.6, K = V = 128, l2norm, launch hints; tools/gdr_shared_memory.py), bytes of
-# shared memory / registers / spill stack a thread, 8 warps, 2 stages:
-#   tf32: bwd_chunk 81920 / 255 / 896 -> split 57344 / 255 / 0 (128 registers with maxnreg,
-#         2 blocks an SM: 528 B spill; 4 warps: 255 / 336 B)
-#   bf16: bwd_chunk 49152 / 255 / 872 -> split 32800 / 240 / 0 (maxnreg 128: 256 B; 4 warps:
-#         255 / 160 B)
-# The spill is gone but not the registers: the value loop alone takes 136 (its three [BT, BK]
-# sums), the row sums and pair products after it the rest (without the pair products 202; with
-# the row sums formed in the loop and two sums, or int32 tile offsets: 248-253). Hence
-# ``split-pairs``: the pair products in bwd_pair_grads_kernel after it (4 warps: tf32 49152 /
-# 248 / 0, bf16 32768 / 222 / 0), the split kernel capped at 128 registers (maxnreg): 48 B of
-# spill in both modes, two blocks of 8 warps an SM (202 / 0 uncapped, one block).
-
-BWD_K_SLICE = 64  # key columns a bwd_chunk_split_kernel program takes, at most (tests lower it)
-BWD_K_MODES = ("auto", "split", "split-pairs")
-
-
-def bwd_key_mode() -> str:
-    """``FUSETUNE_GDR_BWD_K`` (read at every call): ``auto`` (the default) bwd_chunk_kernel,
-    one program a chunk and value head, every key column; ``split`` bwd_chunk_split_kernel,
-    a program per slice of key columns (``bwd_key_slice``); ``split-pairs`` the same with the
-    token-pair products (dQK K, dQK^T Q, dKK2 K) in ``bwd_pair_grads_kernel`` before it: offline
-    they are what holds the split kernel's registers up (see above)."""
-    mode = os.environ.get("FUSETUNE_GDR_BWD_K", "auto")
-    if mode not in BWD_K_MODES:
-        raise ValueError(f"FUSETUNE_GDR_BWD_K must be one of {BWD_K_MODES}, got {mode!r}")
-    return mode
-
-
-def bwd_key_slice(key_block: int, dot: int) -> int | None:
-    """The key columns a bwd_chunk_split_kernel program takes of the padded ``key_block`` (None
-    without a split: ``bwd_key_mode``): half of it, at most BWD_K_SLICE and at least the
-    products' smallest tile (``min_block``; so a block of 32 on tensor cores stays one slice)."""
-    if bwd_key_mode() == "auto":
-        return None
-    return max(min_block(dot), min(BWD_K_SLICE, key_block // 2))
-
-
-@triton.jit
-def _inv_norms_sliced(x, offsets, mt, K, BT: tl.constexpr, BK: tl.constexpr,
-                      NK: tl.constexpr, L2NORM: tl.constexpr):  # fmt: skip
-    """``inv_norms`` of whole rows (``offsets``: each row's start) read BK columns at a time."""
-    if L2NORM:
-        total = tl.zeros([BT], dtype=tl.float32)
-        for j in tl.static_range(NK):
-            cj = j * BK + tl.arange(0, BK)
-            xj = tl.load(x + offsets[:, None] + cj[None, :], mask=mt[:, None] & (cj < K)[None, :],
-                         other=0.0).to(tl.float32)
-            total += tl.sum(xj * xj, axis=1)
-        return tl.div_rn(1.0, tl.sqrt_rn(total + 1e-6))
-    else:
-        return tl.full([BT], 1.0, tl.float32)
-
-
-@triton.jit
-def _add_pair_grads(dq, dk, dqk_buf, t_buf, buf_rows, mt, q_in, k_in, rq, rk, scale,
-                    dq_scale, BT: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
-    """dq, dk of a slice plus their token-pair terms (dq's times ``dq_scale``): dQK K and
-    dQK^T Q from the gradient of Q K^T's products, (dKK + dKK^T) K from that of K K^T
-    (bwd_pairs_kernel's)."""
-    pair_tile = buf_rows[:, None] * BT + tl.arange(0, BT)[None, :]
-    dQK = tl.load(dqk_buf + pair_tile, mask=mt[:, None], other=0.0)
-    dq += mm(dQK * (dq_scale * rk)[None, :], k_in, DOT)
-    dk += scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
-    dKK2 = tl.load(t_buf + pair_tile, mask=mt[:, None], other=0.0)  # dKK + dKK^T
-    dk += mm(dKK2 * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
-    return dq, dk
-
-
-@triton.jit
-def bwd_pair_grads_kernel(
-    q, k, dqk_buf, t_buf, dq_buf, dk_buf, cu, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-    scale, T, HV, GROUP: tl.constexpr, K, BT: tl.constexpr, BK: tl.constexpr,
-    NK: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
-):
-    """FUSETUNE_GDR_BWD_K=split-pairs: ``_pair_grads`` of one chunk, value head and slice of BK
-    key columns (bwd_chunk_split_kernel's grid), added to what that kernel (without PAIRS) left
-    in the fp32 dq_buf, dk_buf."""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, NK)
-    i_k = tl.program_id(0).to(tl.int64) % NK
-    if start >= end:
-        return
-    rows = start + tl.arange(0, BT)
-    mt = rows < end
-    ck = i_k * BK + tl.arange(0, BK)
-    mtk = mt[:, None] & (ck < K)[None, :]
-    i_hk = i_h // GROUP
-    buf_rows = (i_b * T + rows) * HV + i_h
-    q_rows = i_b * sq_b + i_hk * sq_h + rows * sq_t
-    k_rows = i_b * sk_b + i_hk * sk_h + rows * sk_t
-    q_in = tl.load(q + q_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
-    k_in = tl.load(k + k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
-    rq = _inv_norms_sliced(q, q_rows, mt, K, BT, BK, NK, L2NORM)
-    rk = _inv_norms_sliced(k, k_rows, mt, K, BT, BK, NK, L2NORM)
-    out_k = buf_rows[:, None] * K + ck[None, :]
-    dq = tl.load(dq_buf + out_k, mask=mtk, other=0.0)
-    dk = tl.load(dk_buf + out_k, mask=mtk, other=0.0)
-    dq, dk = _add_pair_grads(dq, dk, dqk_buf, t_buf, buf_rows, mt, q_in, k_in, rq, rk, scale,
-                             scale, BT, DOT)  # fmt: skip
-    tl.store(dq_buf + out_k, dq, mask=mtk)
-    tl.store(dk_buf + out_k, dk, mask=mtk)
-
-
-@triton.jit
-def bwd_chunk_split_kernel(
-    q, k, beta, do, gc_buf, t_buf, d_buf, dd_buf, dqk_buf, h_buf, dh_buf, dq_buf, dk_buf,
-    dbeta_buf, dg_buf, dbeta_part, dg_part, cu,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
-    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
-    NK: tl.constexpr, BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr, PAIRS: tl.constexpr,
-):
-    """bwd_chunk_kernel for BK of the key columns (program axis 0: chunk * NK + slice, the
-    slices of a chunk side by side, so that their shared reads of dO, D, dD and the pair
-    tiles meet in L2): its dq, dk columns and its part of every sum over K, the rows' dbeta and
-    dg terms (and <dS, S0>), into column ``slice`` of dbeta_part, dg_part [B, T, HV, NK]
-    (slice 0 adds bwd_pairs_kernel's dbeta_buf, dg_buf; the launcher sums the slices). With
-    L2NORM dq, dk are fp32 gradients of the normalised rows, taken back through the norm by
-    ``l2norm_bwd_kernel`` (its <y, dy> needs every column); 1 / ||q||, 1 / ||k|| come from
-    whole rows read a slice at a time. Without PAIRS the token-pair products are left to
-    bwd_pair_grads_kernel, which adds them to the fp32 dq_buf, dk_buf after."""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, NK)
-    i_k = tl.program_id(0).to(tl.int64) % NK
-    if start >= end:
-        return
-    r = tl.arange(0, BT)
-    rows = start + r
-    mt = rows < end
-    ck = i_k * BK + tl.arange(0, BK)
-    mk = ck < K
-    mtk = mt[:, None] & mk[None, :]
-    i_hk = i_h // GROUP
-    buf_rows = (i_b * T + rows) * HV + i_h
-    state0 = (chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN) * HV + i_h) * K * V
-    do_rows = do + i_b * sd_b + i_h * sd_h + rows * sd_t
-    dQe, dKd, dkb, x0 = _state_products(do_rows, d_buf, dd_buf, h_buf, dh_buf, buf_rows, mt,
-                                        state0, ck, mk, V, BT, BK, BVA, DOT)
-    q_rows = i_b * sq_b + i_hk * sq_h + rows * sq_t
-    k_rows = i_b * sk_b + i_hk * sk_h + rows * sk_t
-    q_in = tl.load(q + q_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
-    k_in = tl.load(k + k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
-    rq = _inv_norms_sliced(q, q_rows, mt, K, BT, BK, NK, L2NORM)
-    rk = _inv_norms_sliced(k, k_rows, mt, K, BT, BK, NK, L2NORM)
-    bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-    gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-    eg = tl.exp(gc)
-    # (bwd_chunk_kernel's terms; own, tail, k_dkb and x0 are this slice's part of their sums)
-    dq = eg[:, None] * dQe
-    own = scale * rq * tl.sum(q_in.to(tl.float32) * dq, axis=1)
-    dk = tl.where(mt, tl.exp(_tail(gq, r)), 0.0)[:, None] * dKd
-    tail = rk * tl.sum(k_in.to(tl.float32) * dk, axis=1)
-    k_dkb = rk * tl.sum(k_in.to(tl.float32) * dkb, axis=1)
-    dbeta = eg * k_dkb
-    own += bc * eg * k_dkb
-    dk += (bc * eg)[:, None] * dkb
-    if PAIRS:  # (dq's scale after)
-        dq, dk = _add_pair_grads(dq, dk, dqk_buf, t_buf, buf_rows, mt, q_in, k_in, rq, rk,
-                                 scale, 1.0, BT, DOT)  # fmt: skip
-    dg = tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
-    dg += tl.sum(tl.where(r[:, None] < r[None, :], tail[:, None], 0.0), axis=0)
-    dg += x0 * tl.exp(g_last)
-    if i_k == 0:  # (bwd_pairs_kernel's parts, once)
-        dbeta += tl.load(dbeta_buf + buf_rows, mask=mt, other=0.0)
-        dg += tl.load(dg_buf + buf_rows, mask=mt, other=0.0)
-    dq = dq * scale
-    out_k = buf_rows[:, None] * K + ck[None, :]
-    tl.store(dq_buf + out_k, dq.to(dq_buf.dtype.element_ty), mask=mtk)
-    tl.store(dk_buf + out_k, dk.to(dk_buf.dtype.element_ty), mask=mtk)
-    tl.store(dbeta_part + buf_rows * NK + i_k, dbeta, mask=mt)
-    tl.store(dg_part + buf_rows * NK + i_k, dg, mask=mt)
-
-
-@triton.jit
-def l2norm_bwd_kernel(x, dy, dx, sx_b, sx_t, sx_h, T, H, K, rows_total, BR: tl.constexpr,
-                      BK: tl.constexpr):  # fmt: skip
-    """dx = r (dy - y <y, dy>) for rows of x [B, T, H, K] (y = x r, r = 1 / ||x||), dy fp32
-    [B, T, H, K] contiguous, dx of dx's dtype; BR rows a program (bwd_chunk_split_kernel's
-    l2norm step, after the group sum: the map is linear in dy and y is the key head's)."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    mr = rows < rows_total
-    i_b, i_t, i_h = rows // (T * H), (rows // H) % T, rows % H
-    ck = tl.arange(0, BK)
-    m = mr[:, None] & (ck < K)[None, :]
-    x_in = tl.load(x + (i_b * sx_b + i_t * sx_t + i_h * sx_h)[:, None] + ck[None, :], mask=m,
-                   other=0.0)
-    grad = tl.load(dy + rows[:, None] * K + ck[None, :], mask=m, other=0.0)
-    out = _l2norm_grad(x_in, inv_norms(x_in, BR, True), grad)
-    tl.store(dx + rows[:, None] * K + ck[None, :], out.to(dx.dtype.element_ty), mask=m)
