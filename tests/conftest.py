@@ -19,10 +19,16 @@ def _share_cpu_threads() -> None:
     """Under pytest-xdist each worker takes the cores / workers share of torch's intra-op threads:
     with every worker at torch's default (all cores) the float64 references thrash (on a 16-core
     GPU host, 14 workers left Gated DeltaNet's T = 1000 references unfinished after 8 minutes;
-    each takes 13 s on one core)."""
+    each takes 13 s on one core). The share goes to the processes a test starts too (the
+    commands' subprocess runs, the distributed ranks) through OMP_NUM_THREADS: at torch's
+    default of every core, `fusetune grpo` took 226 s beside the other worker on CI's 2 cores
+    and 20 s alone (2026-11-28, twenty-second; two such runs side by side: 62 s at 2 threads
+    each, 21 s at 1)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 _share_cpu_threads()
