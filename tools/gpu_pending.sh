@@ -89,11 +89,12 @@
 #   (moe: measured in the ninth session, docs/bench/session-2026-11-27-ninth/.)
 #   bash tools/gpu_pending.sh moe-tma   1 GPU, no carry (under 560 s on a cold H100, each step
 #     bounded): issue 21's FUSETUNE_MOE_TMA (1: expert weights and sorted activation rows
-#     through TMA; 2: x and dout copied into sorted order too), never run on a GPU. (1)
+#     through TMA; 2: x and dout copied into sorted order too; 2 the default on Hopper+ since
+#     2026-11-28 twenty-second: docs/bench/session-2026-11-28-twentysecond/call-02). (1)
 #     tests/test_moe.py with 1 forced, then its reference / gpt-oss / large-shape cases with 2;
 #     (2) tools/tune_moe.py --tma: Qwen3-30B-A3B then gpt-oss-20b, LoRA r16 and frozen, fwd and
 #     fwd+bwd under 0 / 1 / 2 alternated twice, then the CUDA time per kernel of each (LoRA).
-#     Default before: Qwen 5.77 ms (gate/up 1.30, GLU bwd 0.99, six mm 2.48).
+#     H200: Qwen LoRA 5.64 / 5.43 / 5.23 ms under 0 / 1 / 2, gpt-oss 11.40 / 9.95 / 9.54.
 #   bash tools/gpu_pending.sh compiled  1 GPU, no carry (~6 minutes): the in-place LoRA add
 #     under Inductor (its test, then the Llama-3.2-1B step eager and compiled, median of 20,
 #     with --profile: the compiled step had 173 device-to-device copies, 3.1 ms, before it);
