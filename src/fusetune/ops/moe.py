@@ -527,7 +527,7 @@ def _tma_skipped(why: str) -> None:
     """No descriptor (None), after one warning a reason where FUSETUNE_MOE_TMA asked for TMA
     and this operand keeps pointer loads (no silent fallback; by default the choice of loads is
     the kernel's own, as its tiles are)."""
-    if TMA_VARIABLE in os.environ and why not in _TMA_WARNED:
+    if os.environ.get(TMA_VARIABLE, "").strip() and why not in _TMA_WARNED:  # (as tma_mode)
         _TMA_WARNED.add(why)
         warnings.warn(f"fusetune.moe_mlp: {TMA_VARIABLE} is set, but an operand keeps pointer "
                       f"loads: {why}", stacklevel=2)  # fmt: skip
