@@ -69,14 +69,15 @@
 #     call on a fresh machine: the kernels compile cold): the opt-in modes FUSETUNE_GDR_DOT=bf16
 #     (FLA's precision) and FUSETUNE_GDR_W=d (bf16 D); 2026-11-28 (21st) call 4 ran (1) and the
 #     file's -k bf16 cases (42 passed): 4.31 -> 4.00 / 4.08 ms at B4, 9.27 -> 8.63 / 8.21 at B1.
-#     (2) and (3) are still to run. (1) The sweep rows launcher's settings / bf16 products / bf16 products, bf16 D at B4
-#     T4096 then B1 T32768 (median of 3; the modes' speed against FLA's 4.11 / 6.39 ms). (2) The
-#     GDR GPU tests under the default (the file's own bf16-products cases set the modes: T1000
+#     (2) and (3) are still to run. (1) The sweep rows launcher's settings / bf16 products /
+#     bf16 products, bf16 D at B4 T4096 then B1 T32768 (median of 3; the modes' speed against
+#     FLA's 4.11 / 6.39 ms). (2) The GDR GPU tests under the default (the file's own bf16-products cases set the modes: T1000
 #     D128 mild and strong decays, with and without W=d, and the CPU ones compiled). (3)
 #     tools/gdr_accuracy.py (B2 T2048 H4 D128 against float64, each W / DOT setting, a row as it
 #     ends; no FLA row without .peers). (4) With 60 s or more left, the file's bf16 cases again
 #     with FUSETUNE_GDR_DOT=bf16 forced on them (the test_matrix bf16 column among them).
-#   gdr-ksplit: removed 2026-11-28 (twenty-second): measured on an H200, docs/bench/session-2026-11-28-twentysecond/call-01; no win
+#   gdr-ksplit: removed 2026-11-28 (twenty-second): measured on an H200, no win
+#     (docs/bench/session-2026-11-28-twentysecond/call-01).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
