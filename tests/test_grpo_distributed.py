@@ -60,21 +60,6 @@ def record(output) -> dict:
     return json.loads((output / "fusetune_finetune.json").read_text())["runs"][0]
 
 
-def test_two_ranks_train_and_rank0_saves(tmp_path):
-    output = tmp_path / "out"
-    done = grpo(2, output, "--steps", "2")
-    assert done.stdout.count("TRL + fusetune + PEFT: mean reward") == 1, done.stdout  # rank 0
-    assert done.stdout.count("saved: ") == 1
-    assert done.stderr.count("2 ranks") == 1  # the header, once
-    assert done.stderr.count("TRL + fusetune + PEFT 2/2 reward") == 1  # progress: rank 0's
-    files = {p.name for p in output.iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= files
-    run = record(output)
-    assert len(run["rewards"]) == 2 and all(map(math.isfinite, run["rewards"])), run
-    assert run["fused_head_calls"] == 2, run  # TRL's head through fusetune on every step
-    assert run["sharded_parameters"] == 0, run  # DDP: every rank a full replica
-
-
 def test_two_ranks_first_reward_equals_one_process(tmp_path):
     options = ("--steps", "1", "--temperature", "1e-4")
     grpo(1, tmp_path / "one", *options)
@@ -129,13 +114,16 @@ def records(output) -> list[dict]:
     return json.loads((output / "fusetune_finetune.json").read_text())["runs"]
 
 
-def zero3_and_ddp(tmp_path, *options: str) -> tuple[list[dict], dict]:
-    """The ZeRO-3 runs (TRL's own, then fusetune's: --compare) and fusetune's DDP run."""
+def zero3_and_ddp(tmp_path, *options: str, check_ddp=None) -> tuple[list[dict], dict]:
+    """fusetune's DDP run (``check_ddp(done)`` then looks at it) and the ZeRO-3 runs (TRL's
+    own, then fusetune's: --compare)."""
+    ddp = grpo(2, tmp_path / "ddp", *options)
+    if check_ddp is not None:
+        check_ddp(ddp)
     pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
     done = grpo(2, tmp_path / "zero3", *options, "--zero3", "--compare")
     assert done.stderr.count("2 ranks (DeepSpeed ZeRO-3)") == 1, done.stderr[-2000:]
     assert done.stdout.count("saved: ") == 1, done.stdout  # rank 0's
-    grpo(2, tmp_path / "ddp", *options)
     return records(tmp_path / "zero3"), record(tmp_path / "ddp")
 
 
@@ -176,13 +164,37 @@ def test_zero3_full_equals_ddp_and_saves_the_whole_model(tmp_path):
     assert_weights_close(*(dict(m.named_parameters()) for m in models))
 
 
-def test_zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_path):
+def test_two_ranks_train_and_rank0_saves(tmp_path):
+    """DDP (the LoRA tiny Gemma with a KL term): both ranks train, rank 0 alone prints and
+    writes the output, TRL's head runs through fusetune on every call (the policy's and the
+    reference's), every rank holds a full replica. The same launch is then the reference of
+    the ZeRO-3 runs below (one torchrun fewer: each costs ~17 s of imports on CI's CPU)."""
+    zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_path)
+
+
+def check_ddp_run(done: subprocess.CompletedProcess, output) -> None:
+    assert done.stdout.count("TRL + fusetune + PEFT: mean reward") == 1, done.stdout  # rank 0
+    assert done.stdout.count("saved: ") == 1
+    assert done.stderr.count("2 ranks") == 1  # the header, once
+    assert done.stderr.count("TRL + fusetune + PEFT 2/2 reward") == 1  # progress: rank 0's
+    files = {p.name for p in output.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= files
+    run = record(output)
+    assert len(run["rewards"]) == 2 and all(map(math.isfinite, run["rewards"])), run
+    assert run["fused_head_calls"] == 4, run  # TRL's head through fusetune: policy, reference
+    assert run["sharded_parameters"] == 0, run  # DDP: every rank a full replica
+
+
+def zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_path):
     """LoRA on a model whose head is its embedding (tiny Gemma; Llama-3.2-1B's and
     Qwen2.5-0.5B's layout), with a KL term: the policy and the reference (adapters off) each
     call TRL's head a step on the partitioned embedding; the adapter is gathered whole."""
     from safetensors.torch import load_file
 
-    runs, ddp = zero3_and_ddp(tmp_path, "--model", "tiny-gemma", "--steps", "2", "--beta", "0.04")
+    options = ("--model", "tiny-gemma", "--steps", "2", "--beta", "0.04")
+    runs, ddp = zero3_and_ddp(
+        tmp_path, *options, check_ddp=lambda done: check_ddp_run(done, tmp_path / "ddp")
+    )
     check_against_ddp(runs, ddp, head_calls=4)
     assert all(kl > 0 for kl in runs[1]["kl"][1:]), runs[1]["kl"]  # the reference is read
     adapters = [
