@@ -19,7 +19,7 @@ from harness import assert_close, free_port
 
 pytest.importorskip("peft")
 WORLD = 2
-ARGV = ["--steps", "2", "--seq-len", "32", "--precision", "fp32", "--grad-accum", "2"]
+ARGV = ["--steps", "2", "--seq-len", "24", "--precision", "fp32", "--grad-accum", "2"]
 
 
 def rank_main(rank: int, port: int, output: str, layout: list[str]) -> None:
