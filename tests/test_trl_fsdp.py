@@ -14,6 +14,7 @@ tests/test_grpo_distributed.py), NCCL on a machine with 2 GPUs."""
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -90,17 +91,37 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
 
 
-def worker(rank: int, init_file: str, results: str) -> None:
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # not a dependency
+
+
+def worker(rank: int, port: int, results: str) -> None:
+    """Both engines' runs on this rank, in one process group (a spawn of 2 ranks costs ~25 s
+    of imports on CI's CPU): FSDP2's first, then, where deepspeed is installed, ZeRO-3's.
+    Joined as DeepSpeed joins (its CPU accelerator with gloo, NCCL on 2 GPUs) where it is
+    installed; the same group then serves FSDP2."""
+    if DEEPSPEED:
+        device = zero3_setup(rank, port)
+    else:
+        dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD)  # fmt: skip
+        device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+        if NCCL:
+            torch.cuda.set_device(device)
+    found = {"fsdp2": fsdp2_runs(rank, device)}
+    if DEEPSPEED:
+        found["zero3"] = zero3_runs(rank, device)
+    if rank == 0:
+        torch.save(found, results)
+    dist.barrier()  # no rank tears its gloo pairs down while rank 0 saves
+    dist.destroy_process_group()
+
+
+def fsdp2_runs(rank: int, device: torch.device) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import fusetune
     from fusetune.integrations.trl import FusedHead
 
-    dist.init_process_group(BACKEND, init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
-    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
-    if NCCL:
-        torch.cuda.set_device(device)
     found = {}
     for layout, reshard in LAYOUTS:
         model, trainer = trl_model(device)
@@ -128,9 +149,7 @@ def worker(rank: int, init_file: str, results: str) -> None:
         )
         fusetune.revert(trainer)
     found["dtensor_warning"] = dtensor_head_warns(device)
-    if rank == 0:
-        torch.save(found, results)
-    dist.destroy_process_group()
+    return found
 
 
 def dtensor_head_warns(device: torch.device) -> list[str]:
@@ -155,7 +174,9 @@ def dtensor_head_warns(device: torch.device) -> list[str]:
 BACKEND = "nccl" if NCCL else "gloo"
 
 
-def test_trl_head_under_fsdp2_matches_one_process(tmp_path):
+def test_trl_head_under_fsdp2_and_zero3_matches_one_process(tmp_path):
+    """FSDP2 (three layouts) and then, where deepspeed is installed, ZeRO-3 (check_zero3), on
+    the same 2 ranks (one spawn): TRL's fused head equals one process's."""
     from fusetune.integrations.trl import FusedHead
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,8 +188,9 @@ def test_trl_head_under_fsdp2_matches_one_process(tmp_path):
 
     fusetune.revert(trainer)
     results = tmp_path / "rank0.pt"
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(results)), nprocs=WORLD, join=True)
-    found = torch.load(results, weights_only=False)
+    mp.spawn(worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
+    both = torch.load(results, weights_only=False)
+    found = both["fsdp2"]
     # rank r's rows of call c: rows [r * B/2, (r + 1) * B/2) of the single process's call c
     want_log_probs = want_log_probs.view(CALLS, WORLD, -1, SEQ - 1).transpose(0, 1)
     want_entropy = want_entropy.view(CALLS, WORLD, -1, SEQ - 1).transpose(0, 1)
@@ -183,12 +205,13 @@ def test_trl_head_under_fsdp2_matches_one_process(tmp_path):
             assert_close(f"{label} grad {name}", got["grads"][name], param.grad, 1e-5)
     warned = found["dtensor_warning"]
     assert len(warned) == 1 and "LlamaForCausalLM.lm_head" in warned[0], warned
+    check_zero3(both.get("zero3"), device)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
 
 
-def zero3_worker(rank: int, port: int, results: str) -> None:
+def zero3_runs(rank: int, device: torch.device) -> dict:
     """TRL's fused head on a ZeRO-3 engine (every parameter partitioned), the head untied or
     tied to the embedding: per-token outputs, full gradients, fusetune's calls, the head's own
     calls, and no fallback warning."""
@@ -197,7 +220,6 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
     import fusetune
     from fusetune.integrations.trl import FusedHead
 
-    device = zero3_setup(rank, port)
     config = zero3_config(BATCH // WORLD, lr=1e-3)
     found = {}
     for tied in (False, True):
@@ -229,20 +251,18 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
             head_calls=len(head_calls),
         )
         fusetune.revert(trainer)
-    if rank == 0:
-        torch.save(found, results)
-    dist.destroy_process_group()
+    return found
 
 
-def test_trl_head_under_zero3_matches_one_process(tmp_path):
+def check_zero3(found: dict | None, device: torch.device) -> None:
     """ZeRO-3 partitions the head (or the embedding it is tied to): fusetune's kernel runs
     inside the head's own call on every TRL head call (ZeRO's hooks gather the weight and
-    reduce its gradient), and the outputs and full gradients equal one process's."""
+    reduce its gradient), and the outputs and full gradients equal one process's. (The
+    FSDP2 test's ranks ran it after their FSDP2 runs.)"""
     pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
     import fusetune
     from fusetune.integrations.trl import FusedHead
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     want = {}
     for tied in (False, True):
         model, trainer = trl_model(device, tied)
@@ -251,9 +271,6 @@ def test_trl_head_under_zero3_matches_one_process(tmp_path):
         assert FusedHead.calls - served == CALLS
         fusetune.revert(trainer)
         want[tied] = (log_probs, entropy, {n: p.grad for n, p in model.named_parameters()})
-    results = tmp_path / "rank0.pt"
-    mp.spawn(zero3_worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
-    found = torch.load(results, weights_only=False)
     for tied in (False, True):
         got, label = found[tied], f"tied={tied}"
         want_log_probs, want_entropy, want_grads = want[tied]
