@@ -222,11 +222,10 @@ if not importlib.util.find_spec("peft"):
     ZERO3_CASES = ("untied",)
 
 
-def zero3_worker(rank: int, port: int, results: str) -> None:
+def zero3_cases(rank: int, device: torch.device) -> dict:
     """Each case under ZeRO-3 on this rank, transformers' run then fusetune's:
     {case: {"hf": run, "fusetune": run}}. Gloo on the CPU (DeepSpeed's CPU accelerator), NCCL
     on 2 GPUs."""
-    device = zero3_setup(rank, port)
     runs = {}
     for case in ZERO3_CASES:
         model = variant_model(case)
@@ -241,27 +240,7 @@ def zero3_worker(rank: int, port: int, results: str) -> None:
             ]
         except Exception as exc:  # noqa: BLE001 - the test reports it
             runs[case]["fusetune"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    if rank == 0:
-        torch.save(runs, results)
-    leave()
-
-
-@pytest.mark.skipif(
-    torch.cuda.device_count() == 1, reason="2 ranks need 2 GPUs (NCCL) or none (gloo)"
-)
-def test_zero3_matches_unpatched_zero3(tmp_path):
-    """ZeRO-3 partitions every parameter (the lm_head's own weight, or the embedding it is
-    tied to): the fused loss runs inside the head's call on every step, and the run equals
-    transformers' own under the same engine (same gradient reduction). With PEFT LoRA only
-    the adapters move; on every linear layer, fusetune's fused q/k/v and MLP LoRA groups serve
-    them, ZeRO gathering each layer's neighbours for the group's call. One
-    test, one spawn for every case (a spawn per test would repeat it on every xdist worker)."""
-    pytest.importorskip("deepspeed")  # not a dependency: carried to the GPU machine
-    results = tmp_path / "rank0.pt"
-    mp.spawn(zero3_worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
-    runs = torch.load(results)
-    for case in ZERO3_CASES:
-        check_zero3_case(case, runs[case]["hf"], runs[case]["fusetune"])
+    return runs
 
 
 def check_zero3_case(case: str, want: dict, got: dict) -> None:
@@ -347,17 +326,25 @@ if not importlib.util.find_spec("peft"):
     CASES = ("tied", "mixed")
 
 
-def fsdp2_worker(rank: int, init_file: str, results: str) -> None:
-    """Every FSDP2 run on this rank, in one process group (a spawn of 2 ranks costs ~25 s of
-    imports on CI's CPU): {"layouts": {label: run}, "variants": {case: {"fusetune": run}}}
-    (+ "hf" for "mixed")."""
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # not a dependency
+
+
+def worker(rank: int, port: int, results: str) -> None:
+    """Every run of this file on this rank, in one process group (a spawn of 2 ranks costs
+    ~25 s of imports on CI's CPU): {"layouts": {label: run}, "variants": {case: {"fusetune":
+    run}}} (+ "hf" for "mixed"), then, where deepspeed is installed, "zero3": zero3_cases.
+    Joined as DeepSpeed joins (zero3_setup) where it is installed: the same group serves
+    FSDP2, whose runs come first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dist.init_process_group(BACKEND, init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
-    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
-    if NCCL:
-        torch.cuda.set_device(device)
+    if DEEPSPEED:
+        device = zero3_setup(rank, port)
+    else:
+        dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD)  # fmt: skip
+        device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+        if NCCL:
+            torch.cuda.set_device(device)
     layouts = {label: layout_run(*how, rank, device) for label, how in LAYOUTS.items()}
     runs = {}
     for case in CASES:
@@ -370,8 +357,9 @@ def fsdp2_worker(rank: int, init_file: str, results: str) -> None:
             }
         else:
             runs[case] = {"fusetune": counted_run(model, rank, device, True)}
+    zero3 = zero3_cases(rank, device) if DEEPSPEED else None
     if rank == 0:
-        torch.save({"layouts": layouts, "variants": runs}, results)
+        torch.save({"layouts": layouts, "variants": runs, "zero3": zero3}, results)
     leave()
 
 
@@ -380,14 +368,15 @@ def fsdp2_worker(rank: int, init_file: str, results: str) -> None:
     reason="2 ranks need 2 GPUs (NCCL) or none (gloo on the CPU): on an H100 host the gloo "
     "ranks crashed (SIGSEGV, not investigated); the CPU pass and 2x H200 run these",
 )
-def test_fsdp2_matches_one_process(tmp_path):
-    """fusetune.apply under FSDP2 at 2 ranks against one process, every layout and variant
-    from one spawn (a spawn per test would repeat it on every xdist worker), each checked on
-    its own and the failures reported together: the untied Llama with its head in the root
-    group or sharded on its own, resharded after forward or not; PEFT LoRA, tied embeddings
-    and both (check_variant); bf16 mixed precision against transformers (check_mixed)."""
+def test_fsdp2_matches_one_process_and_zero3_matches_unpatched_zero3(tmp_path):
+    """fusetune.apply under FSDP2 at 2 ranks against one process, and under ZeRO-3 against
+    transformers under ZeRO-3, every case from one spawn (a spawn per test would repeat it on
+    every xdist worker), each checked on its own and the failures reported together: the
+    untied Llama with its head in the root group or sharded on its own, resharded after
+    forward or not; PEFT LoRA, tied embeddings and both (check_variant); bf16 mixed precision
+    against transformers (check_mixed); the ZeRO-3 cases (check_zero3_case)."""
     results = tmp_path / "rank0.pt"
-    mp.spawn(fsdp2_worker, args=(str(tmp_path / "init"), str(results)), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
     found = torch.load(results)
     failures = []
 
@@ -406,7 +395,11 @@ def test_fsdp2_matches_one_process(tmp_path):
         if case in CASES:
             check(case, check_variant, case, found["variants"][case]["fusetune"])
     check("mixed", check_mixed, found["variants"]["mixed"])
+    for case, runs in (found["zero3"] or {}).items():
+        check(f"zero3 {case}", check_zero3_case, case, runs["hf"], runs["fusetune"])
     assert not failures, "\n".join(failures)
+    if not DEEPSPEED:  # not a dependency: carried to the GPU machine, installed by CI
+        pytest.skip("the FSDP2 cases passed; the ZeRO-3 cases need deepspeed")
 
 
 def check_variant(case: str, got: dict) -> None:
