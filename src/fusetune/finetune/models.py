@@ -39,6 +39,13 @@ _EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size":
 _LOCAL_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
 _SHARED_EXPERT = {"shared_expert_intermediate_size": 64}
 _GEMMA_SOFTCAP = {"final_logit_softcapping": 30.0}
+# Gemma 4's defaults left in a tiny model: a 262144 x 256 per-layer embedding for each layer
+# (134M parameters) and 512-wide heads on the global layers
+_GEMMA4_SMALL = {
+    "vocab_size_per_layer_input": _TINY_SHAPE["vocab_size"],
+    "hidden_size_per_layer_input": 8,
+    "global_head_dim": 32,
+}
 # family -> (model_type of its causal LM config, settings on top of _TINY_SHAPE)
 _TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -60,7 +67,7 @@ _TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma": ("gemma", {}),
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16, **_SLIDING, **_GEMMA_SOFTCAP}),
     "gemma3": ("gemma3_text", {"query_pre_attn_scalar": 16, **_SLIDING, **_GEMMA_SOFTCAP}),
-    "gemma4": ("gemma4_text", {**_SLIDING, **_GEMMA_SOFTCAP}),
+    "gemma4": ("gemma4_text", {**_SLIDING, **_GEMMA_SOFTCAP, **_GEMMA4_SMALL}),
     "qwen3_5": ("qwen3_5_text", _LINEAR_ATTENTION),
     "qwen3_next": ("qwen3_next", {**_LINEAR_ATTENTION, **_EXPERTS, **_SHARED_EXPERT}),
     "qwen2_moe": ("qwen2_moe", {**_EXPERTS, **_SHARED_EXPERT}),
