@@ -34,6 +34,7 @@ pytest.importorskip("transformers")
 WORLD, STEPS, BATCH, SEQ = 2, 2, 4, 8
 NCCL = torch.cuda.device_count() >= WORLD
 BACKEND = "nccl" if NCCL else "gloo"
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # not a dependency
 
 
 def batches(vocab: int) -> list[torch.Tensor]:
@@ -173,6 +174,19 @@ def zero3_setup(rank: int, port: int) -> torch.device:
     if NCCL:
         torch.cuda.set_device(device)
     deepspeed.init_distributed(dist_backend=BACKEND)
+    return device
+
+
+def join(rank: int, port: int) -> torch.device:
+    """Join WORLD ranks, as DeepSpeed joins where it is installed (then one group serves FSDP2
+    and ZeRO-3 alike); this rank's device."""
+    if DEEPSPEED:
+        return zero3_setup(rank, port)
+    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
+    if NCCL:
+        torch.cuda.set_device(device)
     return device
 
 
@@ -326,25 +340,14 @@ if not importlib.util.find_spec("peft"):
     CASES = ("tied", "mixed")
 
 
-DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # not a dependency
-
-
 def worker(rank: int, port: int, results: str) -> None:
     """Every run of this file on this rank, in one process group (a spawn of 2 ranks costs
     ~25 s of imports on CI's CPU): {"layouts": {label: run}, "variants": {case: {"fusetune":
     run}}} (+ "hf" for "mixed"), then, where deepspeed is installed, "zero3": zero3_cases.
-    Joined as DeepSpeed joins (zero3_setup) where it is installed: the same group serves
-    FSDP2, whose runs come first."""
+    Joined by `join`: FSDP2's runs come first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if DEEPSPEED:
-        device = zero3_setup(rank, port)
-    else:
-        dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD)  # fmt: skip
-        device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
-        if NCCL:
-            torch.cuda.set_device(device)
+    device = join(rank, port)
     layouts = {label: layout_run(*how, rank, device) for label, how in LAYOUTS.items()}
     runs = {}
     for case in CASES:

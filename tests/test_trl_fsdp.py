@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness import assert_close, free_port
-from test_distributed import zero3_config, zero3_setup
+from test_distributed import join, zero3_config
 from test_transformers import VOCAB, tiny_model
 
 pytest.importorskip("trl")
@@ -99,14 +99,7 @@ def worker(rank: int, port: int, results: str) -> None:
     of imports on CI's CPU): FSDP2's first, then, where deepspeed is installed, ZeRO-3's.
     Joined as DeepSpeed joins (its CPU accelerator with gloo, NCCL on 2 GPUs) where it is
     installed; the same group then serves FSDP2."""
-    if DEEPSPEED:
-        device = zero3_setup(rank, port)
-    else:
-        dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD)  # fmt: skip
-        device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
-        if NCCL:
-            torch.cuda.set_device(device)
+    device = join(rank, port)
     found = {"fsdp2": fsdp2_runs(rank, device)}
     if DEEPSPEED:
         found["zero3"] = zero3_runs(rank, device)
