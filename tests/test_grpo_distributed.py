@@ -168,27 +168,10 @@ def test_two_ranks_train_and_rank0_saves(tmp_path):
     """DDP (the LoRA tiny Gemma with a KL term): both ranks train, rank 0 alone prints and
     writes the output, TRL's head runs through fusetune on every call (the policy's and the
     reference's), every rank holds a full replica. The same launch is then the reference of
-    the ZeRO-3 runs below (one torchrun fewer: each costs ~17 s of imports on CI's CPU)."""
-    zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_path)
-
-
-def check_ddp_run(done: subprocess.CompletedProcess, output) -> None:
-    assert done.stdout.count("TRL + fusetune + PEFT: mean reward") == 1, done.stdout  # rank 0
-    assert done.stdout.count("saved: ") == 1
-    assert done.stderr.count("2 ranks") == 1  # the header, once
-    assert done.stderr.count("TRL + fusetune + PEFT 2/2 reward") == 1  # progress: rank 0's
-    files = {p.name for p in output.iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= files
-    run = record(output)
-    assert len(run["rewards"]) == 2 and all(map(math.isfinite, run["rewards"])), run
-    assert run["fused_head_calls"] == 4, run  # TRL's head through fusetune: policy, reference
-    assert run["sharded_parameters"] == 0, run  # DDP: every rank a full replica
-
-
-def zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_path):
-    """LoRA on a model whose head is its embedding (tiny Gemma; Llama-3.2-1B's and
-    Qwen2.5-0.5B's layout), with a KL term: the policy and the reference (adapters off) each
-    call TRL's head a step on the partitioned embedding; the adapter is gathered whole."""
+    the ZeRO-3 runs (one torchrun fewer: each costs ~17 s of imports on CI's CPU): LoRA on a
+    model whose head is its embedding (tiny Gemma; Llama-3.2-1B's and Qwen2.5-0.5B's layout),
+    with a KL term: the policy and the reference (adapters off) each call TRL's head a step on
+    the partitioned embedding; the adapter is gathered whole."""
     from safetensors.torch import load_file
 
     options = ("--model", "tiny-gemma", "--steps", "2", "--beta", "0.04")
@@ -202,6 +185,19 @@ def zero3_lora_tied_head_with_reference_equals_ddp_and_saves_the_adapter(tmp_pat
     ]
     assert_weights_close(*adapters)
     check_adapter_loads(tmp_path / "zero3", "tiny-gemma", adapters[0])
+
+
+def check_ddp_run(done: subprocess.CompletedProcess, output) -> None:
+    assert done.stdout.count("TRL + fusetune + PEFT: mean reward") == 1, done.stdout  # rank 0
+    assert done.stdout.count("saved: ") == 1
+    assert done.stderr.count("2 ranks") == 1  # the header, once
+    assert done.stderr.count("TRL + fusetune + PEFT 2/2 reward") == 1  # progress: rank 0's
+    files = {p.name for p in output.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= files
+    run = record(output)
+    assert len(run["rewards"]) == 2 and all(map(math.isfinite, run["rewards"])), run
+    assert run["fused_head_calls"] == 4, run  # TRL's head through fusetune: policy, reference
+    assert run["sharded_parameters"] == 0, run  # DDP: every rank a full replica
 
 
 def check_adapter_loads(folder, model: str, saved: dict) -> None:

@@ -14,7 +14,6 @@ tests/test_grpo_distributed.py), NCCL on a machine with 2 GPUs."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import pytest
@@ -23,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness import assert_close, free_port
-from test_distributed import join, zero3_config
+from test_distributed import DEEPSPEED, join, zero3_config
 from test_transformers import VOCAB, tiny_model
 
 pytest.importorskip("trl")
@@ -91,14 +90,10 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
 
 
-DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # not a dependency
-
-
 def worker(rank: int, port: int, results: str) -> None:
     """Both engines' runs on this rank, in one process group (a spawn of 2 ranks costs ~25 s
-    of imports on CI's CPU): FSDP2's first, then, where deepspeed is installed, ZeRO-3's.
-    Joined as DeepSpeed joins (its CPU accelerator with gloo, NCCL on 2 GPUs) where it is
-    installed; the same group then serves FSDP2."""
+    of imports on CI's CPU), joined by `join`: FSDP2's first, then, where deepspeed is
+    installed, ZeRO-3's."""
     device = join(rank, port)
     found = {"fsdp2": fsdp2_runs(rank, device)}
     if DEEPSPEED:
