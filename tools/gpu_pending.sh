@@ -40,6 +40,10 @@
 #     (168.9 s, 74.0 GiB), OOM at 262144. Llama-3.2-1B is still time-bound (fusetune 256k at
 #     52.6 s, Unsloth 128k at 16.4 s, 2026-11-27): SHAPE=llama-3.2-1b LENGTH=262144 LIMIT=524288
 #     KNOWN_FIT=131072, one call a variant (a 512k step is ~4 minutes).
+#   bash tools/gpu_pending.sh long-cap  1 GPU, carry .unsloth .bnb .peers: the same search with
+#     every variant's allocator capped at CAP GiB (default 24), VARIANTS / START / STEP /
+#     VARIANT_S (default 300 s a variant) to choose: Llama-3.2-1B by memory on a GPU where its
+#     uncapped search is bound by the step's time (2026-11-28: 512k tokens, 204 s a step).
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
 #     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
 #     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
@@ -131,6 +135,22 @@ if [ "${1:-}" = long-at ]; then
       --start "$length" --step 32768 --limit "${LIMIT:-$length}" --known-fit "${KNOWN_FIT:-229376}" \
       --max-step-s 400 --timeout 520 2>&1 | tee -a "$OUT/long_context.log" \
       | grep "FIT\|OOM\|{\|error\|timed"
+  done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = long-cap ]; then
+  # every variant under one memory cap (CAP GiB, default 24: a 24 GB card's budget), where the
+  # whole GPU lets the step's time end the search first (Llama-3.2-1B on an H200)
+  # shellcheck source=tools/unsloth_env.sh
+  source tools/unsloth_env.sh
+  bash tools/install_carried.sh .peers >/dev/null 2>&1
+  export PYTHONPATH=src:tools:tests:/tmp/site
+  for variant in ${VARIANTS:-unsloth}; do
+    timeout "${VARIANT_S:-300}" python3 tools/long_context.py --shapes "${SHAPE:-llama-3.2-1b}" \
+      --variants "$variant" --start "${START:-131072}" --step "${STEP:-8192}" --limit 1048576 \
+      --memory-cap-gib "${CAP:-24}" --max-step-s 400 --timeout "${VARIANT_S:-300}" 2>&1 \
+      | tee -a "$OUT/long_context.log" | grep "FIT\|OOM\|RESULT\|error\|timed"
   done
   echo "done in $SECONDS s"
   exit 0

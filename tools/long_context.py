@@ -61,11 +61,22 @@ def build(shape, variant: str, device: torch.device, limit: int) -> torch.nn.Mod
     return model
 
 
+def cap_memory(device: torch.device, cap_gib: float) -> None:
+    """Every variant gets the same memory budget, a smaller GPU's, where the GPU at hand is so
+    large that the step's time ends the search first. The caching allocator refuses past the
+    cap as it would past the card's memory (pinned host memory, where offloading puts the
+    checkpoints, is not counted on either side)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+
+
 def worker(
     shape_key: str, variant: str, start: int, step: int, limit: int, max_step_s: float,
-    known_fit: int = 0,
+    known_fit: int = 0, cap_gib: float = 0.0,
 ) -> dict:
     device = torch.device("cuda")
+    if cap_gib:
+        cap_memory(device, cap_gib)
     cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
     model = build(SHAPES[shape_key], variant, device, limit)
     fits(model, 2048, device)  # warm-up: compilation and autotuning are not a step's time
@@ -93,7 +104,7 @@ def worker(
             good, (seconds, peak) = middle, took
             print(f"FIT {good} {seconds:.2f} s {peak:.2f} GiB", flush=True)
     return dict(shape=SHAPES[shape_key].name, variant=variant, max_seq_len=good,
-                step_s=seconds, peak_gib=peak,
+                step_s=seconds, peak_gib=peak, memory_cap_gib=cap_gib or None,
                 bound="memory" if bad else "time or limit")  # fmt: skip
 
 
@@ -108,11 +119,13 @@ def main() -> int:
     parser.add_argument("--max-step-s", type=float, default=20.0)
     # a length an earlier run trained: the bisection stays above it
     parser.add_argument("--known-fit", type=int, default=0)
+    # train as if the GPU had this many GiB (0: all of it); every variant gets the same cap
+    parser.add_argument("--memory-cap-gib", type=float, default=0.0)
     parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         result = worker(*args.worker, args.start, args.step, args.limit, args.max_step_s,
-                        args.known_fit)  # fmt: skip
+                        args.known_fit, args.memory_cap_gib)  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     for shape in args.shapes:
@@ -128,6 +141,8 @@ def main() -> int:
                 str(args.max_step_s),
                 "--known-fit",
                 str(args.known_fit),
+                "--memory-cap-gib",
+                str(args.memory_cap_gib),
             ]
             command = [sys.executable, __file__, "--worker", shape, variant, *sizes]
             try:  # the worker's FIT / OOM lines go straight to stdout: a killed run keeps them
