@@ -67,7 +67,7 @@ def cap_memory(device: torch.device, cap_gib: float) -> None:
     cap as it would past the card's memory (pinned host memory, where offloading puts the
     checkpoints, is not counted on either side)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), torch.cuda.current_device())
 
 
 def worker(
