@@ -61,13 +61,14 @@ def build(shape, variant: str, device: torch.device, limit: int) -> torch.nn.Mod
     return model
 
 
-def cap_memory(device: torch.device, cap_gib: float) -> None:
+def cap_memory(cap_gib: float) -> None:
     """Every variant gets the same memory budget, a smaller GPU's, where the GPU at hand is so
     large that the step's time ends the search first. The caching allocator refuses past the
     cap as it would past the card's memory (pinned host memory, where offloading puts the
     checkpoints, is not counted on either side)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), torch.cuda.current_device())
+    index = torch.cuda.current_device()  # (the fraction wants an index, not a bare "cuda")
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), index)
 
 
 def worker(
@@ -76,7 +77,7 @@ def worker(
 ) -> dict:
     device = torch.device("cuda")
     if cap_gib:
-        cap_memory(device, cap_gib)
+        cap_memory(cap_gib)
     cases_e2e.SHAPES[shape_key] = SHAPES[shape_key]
     model = build(SHAPES[shape_key], variant, device, limit)
     fits(model, 2048, device)  # warm-up: compilation and autotuning are not a step's time
