@@ -149,7 +149,7 @@ if [ "${1:-}" = long-cap ]; then
   for variant in ${VARIANTS:-unsloth}; do
     timeout "${VARIANT_S:-300}" python3 tools/long_context.py --shapes "${SHAPE:-llama-3.2-1b}" \
       --variants "$variant" --start "${START:-131072}" --step "${STEP:-8192}" --limit 1048576 \
-      --memory-cap-gib "${CAP:-24}" --max-step-s 400 --timeout "${VARIANT_S:-300}" 2>&1 \
+      --known-fit "${KNOWN_FIT:-0}" --memory-cap-gib "${CAP:-24}" --max-step-s 400 --timeout "${VARIANT_S:-300}" 2>&1 \
       | tee -a "$OUT/long_context.log" | grep "FIT\|OOM\|RESULT\|error\|timed"
   done
   echo "done in $SECONDS s"
