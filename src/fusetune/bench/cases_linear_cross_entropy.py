@@ -1,7 +1,8 @@
 """Benchmark cases for fusetune.linear_cross_entropy: bf16 hidden states and lm_head weight,
 forward + backward, gradients for both (and a frozen-weight variant, as under LoRA).
 
-Providers: fusetune, fusetune-frozen-weight (no weight gradient), torch eager as a HF causal-LM
+Providers: fusetune, fusetune-frozen-weight (no weight gradient), fusetune-2048-rows (wider
+chunks: more memory, fewer re-reads of the weight gradient), torch eager as a HF causal-LM
 head computes it (matmul, fp32 upcast, F.cross_entropy), torch.compile of that, Liger-Kernel's
 LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy when importable.
 """
@@ -16,14 +17,19 @@ import torch.nn.functional as F
 import fusetune
 from fusetune.bench.harness import Case, register, three_products_floor
 
-SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 128256)]
+SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000), (8192, 896, 151936), (32768, 4096, 128256)]
 CPU_SHAPE = (48, 32, 500)
+WIDE_CHUNK = 2048
 
 
 def _torch_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """What a HF causal-LM head does: lm_head matmul, upcast to fp32, F.cross_entropy."""
     logits = (hidden @ weight.t()).float()
     return F.cross_entropy(logits, labels, ignore_index=-100)
+
+
+def _wide_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+    return fusetune.linear_cross_entropy(hidden, weight, labels, chunk_size=WIDE_CHUNK)
 
 
 def _peer_losses() -> dict[str, Callable]:
@@ -66,6 +72,8 @@ def _make(rows: int, hidden_size: int, vocab: int):
         providers = {
             "fusetune": _step(fusetune.linear_cross_entropy, hidden, weight, labels),
             "fusetune-frozen-weight": _step(fusetune.linear_cross_entropy, hidden, frozen, labels),
+            # the other side of the memory / speed trade: chunks of 2048 rows, not the default's
+            f"fusetune-{WIDE_CHUNK}-rows": _step(_wide_chunks, hidden, weight, labels),
             "torch": _step(_torch_loss, hidden, weight, labels),
         }
         if device.type == "cuda":
