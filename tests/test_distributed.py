@@ -243,7 +243,13 @@ def zero3_cases(rank: int, device: torch.device) -> dict:
     runs = {}
     for case in ZERO3_CASES:
         model = variant_model(case)
-        runs[case] = {"hf": zero3_run(copy.deepcopy(model), rank, device, patch=False)}
+        # gradient checkpointing recomputes transformers' forward, the same numbers: the
+        # checkpointed case's reference is the unpatched run without it (one ZeRO-3 run fewer)
+        same = case.removesuffix("-checkpointed")
+        if same != case and same in runs:
+            runs[case] = {"hf": runs[same]["hf"]}
+        else:
+            runs[case] = {"hf": zero3_run(copy.deepcopy(model), rank, device, patch=False)}
         try:  # one case failing (on both ranks alike) must not hide the others
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", UserWarning)
@@ -336,15 +342,17 @@ def counted_run(model, rank, device, patch: bool, policy=None) -> dict:
 
 # one process group runs every case (a spawn of 2 ranks costs seconds of imports on the CPU)
 CASES = ("lora", "lora-tied", "tied", "mixed")
-if not importlib.util.find_spec("peft"):
+PEFT = importlib.util.find_spec("peft") is not None
+if not PEFT:
     CASES = ("tied", "mixed")
 
 
 def worker(rank: int, port: int, results: str) -> None:
     """Every run of this file on this rank, in one process group (a spawn of 2 ranks costs
     ~25 s of imports on CI's CPU): {"layouts": {label: run}, "variants": {case: {"fusetune":
-    run}}} (+ "hf" for "mixed"), then, where deepspeed is installed, "zero3": zero3_cases.
-    Joined by `join`: FSDP2's runs come first."""
+    run}}} (+ "hf" for "mixed"), "shard_lora": test_fsdp_lora.py's runs (where peft is
+    installed), then, where deepspeed is installed, "zero3": zero3_cases. Joined by `join`:
+    FSDP2's runs come first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     device = join(rank, port)
@@ -360,9 +368,15 @@ def worker(rank: int, port: int, results: str) -> None:
             }
         else:
             runs[case] = {"fusetune": counted_run(model, rank, device, True)}
+    shard_lora = None
+    if PEFT:  # test_fsdp_lora.py's runs: shard_lora against FSDP2 sharding everything
+        import test_fsdp_lora
+
+        shard_lora = test_fsdp_lora.runs(rank, device)
     zero3 = zero3_cases(rank, device) if DEEPSPEED else None
     if rank == 0:
-        torch.save({"layouts": layouts, "variants": runs, "zero3": zero3}, results)
+        saved = {"layouts": layouts, "variants": runs, "shard_lora": shard_lora, "zero3": zero3}
+        torch.save(saved, results)
     leave()
 
 
@@ -377,7 +391,8 @@ def test_fsdp2_matches_one_process_and_zero3_matches_unpatched_zero3(tmp_path):
     every xdist worker), each checked on its own and the failures reported together: the
     untied Llama with its head in the root group or sharded on its own, resharded after
     forward or not; PEFT LoRA, tied embeddings and both (check_variant); bf16 mixed precision
-    against transformers (check_mixed); the ZeRO-3 cases (check_zero3_case)."""
+    against transformers (check_mixed); shard_lora against FSDP2 sharding everything
+    (test_fsdp_lora.check_runs); the ZeRO-3 cases (check_zero3_case)."""
     results = tmp_path / "rank0.pt"
     mp.spawn(worker, args=(free_port(), str(results)), nprocs=WORLD, join=True)
     found = torch.load(results)
@@ -398,6 +413,10 @@ def test_fsdp2_matches_one_process_and_zero3_matches_unpatched_zero3(tmp_path):
         if case in CASES:
             check(case, check_variant, case, found["variants"][case]["fusetune"])
     check("mixed", check_mixed, found["variants"]["mixed"])
+    if found["shard_lora"] is not None:
+        import test_fsdp_lora
+
+        check("shard_lora", test_fsdp_lora.check_runs, found["shard_lora"])
     for case, runs in (found["zero3"] or {}).items():
         check(f"zero3 {case}", check_zero3_case, case, runs["hf"], runs["fusetune"])
     assert not failures, "\n".join(failures)
