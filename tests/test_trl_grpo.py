@@ -67,8 +67,12 @@ def make_trainer(model, tmp_path, **config):
         shuffle_dataset=False,
     )  # fmt: skip
     settings.update(config)
+    args = trl.GRPOConfig(**settings)
+    if ON_GPU:  # on a host of several GPUs one process trains on the first (Trainer's own
+        _ = args.device  # way for a split model), not in nn.DataParallel, which TRL refuses
+        args._n_gpu = 1
     return trl.GRPOTrainer(
-        model=model, reward_funcs=[even_words], args=trl.GRPOConfig(**settings),
+        model=model, reward_funcs=[even_words], args=args,
         train_dataset=prompts, processing_class=word_tokenizer(model.config.vocab_size),
     )  # fmt: skip
 

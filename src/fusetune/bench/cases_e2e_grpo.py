@@ -91,6 +91,10 @@ def build_trainer(variant: str, device: torch.device, tiny: bool, sizes: dict[st
         logging_steps=1,
         disable_tqdm=True,
     )
+    # One process on a host of several GPUs trains on the first, as Trainer does for a model it
+    # splits: not in nn.DataParallel, which GRPOTrainer refuses (`fusetune grpo` hides the others)
+    if args.device.type == "cuda":
+        args._n_gpu = 1
     prompts = datasets.Dataset.from_list([{"prompt": "t3 t4"}] * sequences)
     trainer = trl.GRPOTrainer(
         model=model,
