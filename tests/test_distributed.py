@@ -35,6 +35,7 @@ WORLD, STEPS, BATCH, SEQ = 2, 2, 4, 8
 NCCL = torch.cuda.device_count() >= WORLD
 BACKEND = "nccl" if NCCL else "gloo"
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # not a dependency
+PEFT = importlib.util.find_spec("peft") is not None
 
 
 def batches(vocab: int) -> list[torch.Tensor]:
@@ -232,7 +233,7 @@ def zero3_run(model, rank: int, device, patch: bool) -> dict:
 # "lora-all": LoRA on every linear layer (the fused groups read their layers' weights);
 # "-checkpointed": with transformers' gradient checkpointing (the groups run again in backward)
 ZERO3_CASES = ("untied", "lora-tied", "lora-all", "lora-all-checkpointed")
-if not importlib.util.find_spec("peft"):
+if not PEFT:
     ZERO3_CASES = ("untied",)
 
 
@@ -342,7 +343,6 @@ def counted_run(model, rank, device, patch: bool, policy=None) -> dict:
 
 # one process group runs every case (a spawn of 2 ranks costs seconds of imports on the CPU)
 CASES = ("lora", "lora-tied", "tied", "mixed")
-PEFT = importlib.util.find_spec("peft") is not None
 if not PEFT:
     CASES = ("tied", "mixed")
 

@@ -31,7 +31,6 @@ pytestmark = pytest.mark.skipif(
 )
 WORLD, BATCH, SEQ, CALLS = 2, 4, 8, 2  # CALLS: head calls a step (TRL's batch chunks)
 LAYOUTS = (("root", True), ("head", True), ("head", False))
-NCCL = torch.cuda.device_count() >= WORLD
 
 
 class Trainer:
@@ -157,9 +156,6 @@ def dtensor_head_warns(device: torch.device) -> list[str]:
 
     fusetune.revert(trainer)
     return [str(w.message) for w in caught if "DTensor" in str(w.message)]
-
-
-BACKEND = "nccl" if NCCL else "gloo"
 
 
 def test_trl_head_under_fsdp2_and_zero3_matches_one_process(tmp_path):
