@@ -40,10 +40,12 @@
 #     (168.9 s, 74.0 GiB), OOM at 262144. Llama-3.2-1B is still time-bound (fusetune 256k at
 #     52.6 s, Unsloth 128k at 16.4 s, 2026-11-27): SHAPE=llama-3.2-1b LENGTH=262144 LIMIT=524288
 #     KNOWN_FIT=131072, one call a variant (a 512k step is ~4 minutes).
-#   bash tools/gpu_pending.sh long-cap  1 GPU, carry .unsloth .bnb .peers: the same search with
-#     every variant's allocator capped at CAP GiB (default 24), VARIANTS / START / STEP /
-#     VARIANT_S (default 300 s a variant) to choose: Llama-3.2-1B by memory on a GPU where its
-#     uncapped search is bound by the step's time (2026-11-28: 512k tokens, 204 s a step).
+#     CAP=N caps every variant's allocator at N GiB (tools/long_context.py --memory-cap-gib;
+#     .peers carried too for Liger): Llama-3.2-1B by memory on a GPU where its uncapped search
+#     is bound by the step's time. 2026-11-28 (24th), H200, CAP=24 SHAPE=llama-3.2-1b
+#     LENGTH=131072 STEP=8192 LIMIT=1048576 KNOWN_FIT=0 VARIANT_S=300: Unsloth 131072, fusetune
+#     147456, fusetune offloaded 212992. STEP (default 32768) and VARIANT_S (default 540 s a
+#     variant) to choose.
 #   bash tools/gpu_pending.sh gdr       1 GPU, no carry (~4 minutes): FIRST JOB. The GDR GPU tests
 #     (bf16 W and bf16 products in states / dstates, branch gdr-bf16w, have not run on a GPU),
 #     then the launch sweep at both bench shapes: its "fp32 W, tf32 (before)" row
@@ -128,29 +130,16 @@ fi
 if [ "${1:-}" = long-at ]; then
   # shellcheck source=tools/unsloth_env.sh
   source tools/unsloth_env.sh
+  bash tools/install_carried.sh .peers >/dev/null 2>&1  # (Liger, where carried)
   export PYTHONPATH=src:tools:tests:/tmp/site
   length=${LENGTH:-262144}
+  limit_s=${VARIANT_S:-540}
   for variant in ${VARIANTS:-unsloth}; do
-    timeout 540 python3 tools/long_context.py --shapes "${SHAPE:-llama-8b}" --variants "$variant" \
-      --start "$length" --step 32768 --limit "${LIMIT:-$length}" --known-fit "${KNOWN_FIT:-229376}" \
-      --max-step-s 400 --timeout 520 2>&1 | tee -a "$OUT/long_context.log" \
+    timeout "$limit_s" python3 tools/long_context.py --shapes "${SHAPE:-llama-8b}" \
+      --variants "$variant" --start "$length" --step "${STEP:-32768}" --limit "${LIMIT:-$length}" \
+      --known-fit "${KNOWN_FIT:-229376}" --memory-cap-gib "${CAP:-0}" --max-step-s 400 \
+      --timeout $((limit_s - 20)) 2>&1 | tee -a "$OUT/long_context.log" \
       | grep "FIT\|OOM\|{\|error\|timed"
-  done
-  echo "done in $SECONDS s"
-  exit 0
-fi
-if [ "${1:-}" = long-cap ]; then
-  # every variant under one memory cap (CAP GiB, default 24: a 24 GB card's budget), where the
-  # whole GPU lets the step's time end the search first (Llama-3.2-1B on an H200)
-  # shellcheck source=tools/unsloth_env.sh
-  source tools/unsloth_env.sh
-  bash tools/install_carried.sh .peers >/dev/null 2>&1
-  export PYTHONPATH=src:tools:tests:/tmp/site
-  for variant in ${VARIANTS:-unsloth}; do
-    timeout "${VARIANT_S:-300}" python3 tools/long_context.py --shapes "${SHAPE:-llama-3.2-1b}" \
-      --variants "$variant" --start "${START:-131072}" --step "${STEP:-8192}" --limit 1048576 \
-      --known-fit "${KNOWN_FIT:-0}" --memory-cap-gib "${CAP:-24}" --max-step-s 400 --timeout "${VARIANT_S:-300}" 2>&1 \
-      | tee -a "$OUT/long_context.log" | grep "FIT\|OOM\|RESULT\|error\|timed"
   done
   echo "done in $SECONDS s"
   exit 0
