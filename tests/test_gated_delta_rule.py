@@ -182,6 +182,38 @@ def test_chunks_of_64(monkeypatch, dtype):
     run_check(inputs, dtype, "chunk", fixed=dict(use_qk_l2norm_in_kernel=True))
 
 
+@pytest.mark.parametrize("chunk,seq_len", [(16, 20), (32, 40), (64, 100)])
+def test_inverse_kernel_blocks(chunk, seq_len):
+    """inverse_kernel's T = (I + A)^-1 against float64's inverse for one, two and four 16-token
+    blocks a chunk (full and partial chunks, grouped heads, a -5000 gate inside a chunk): the
+    blocked substitution and its IEEE block products hold fp32's accuracy (rows past a
+    sequence's end are never written)."""
+    x = make_inputs(batch=2, seq_len=seq_len, key_heads=1, value_heads=2, key_dim=24,
+                    unit_keys=False)  # fmt: skip
+    x["g"][1, 5, 0] = -5000.0
+    k, g, beta = (x[n].float().to(DEVICE) for n in ("k", "g", "beta"))
+    batch, _, heads = g.shape
+    chunks = -(-seq_len // chunk)
+    t_buf = torch.full((batch, seq_len, heads, chunk), float("nan"), device=DEVICE)
+    gdr_chunk.inverse_kernel[(chunks, batch * heads)](
+        k, g, beta, t_buf, t_buf, *k.stride()[:3], *g.stride(), *beta.stride(), seq_len, heads,
+        GROUP=2, K=24, BT=chunk, VARLEN=False, DOT=gdr_chunk.DOT_MODES["split3"],
+        L2NORM=True, num_warps=1,
+    )  # fmt: skip
+    kn = F.normalize(x["k"], dim=-1)
+    for c in range(chunks):
+        span = slice(c * chunk, min((c + 1) * chunk, seq_len))
+        n = span.stop - span.start
+        kc = kn[:, span, 0]  # [B, n, K]
+        cum = x["g"][:, span].clamp(min=-1e4).cumsum(1)  # [B, n, H]
+        decay = torch.exp(cum[:, :, None] - cum[:, None, :]).permute(0, 3, 1, 2).tril(-1)
+        a = x["beta"][:, span].permute(0, 2, 1)[..., None] * (kc @ kc.mT)[:, None] * decay
+        exact = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + a)  # [B, H, n, n]
+        got = t_buf[:, span].permute(0, 2, 1, 3)[..., :n].double().cpu()
+        error = ((got - exact).abs().amax() / exact.abs().amax()).item()
+        assert error < 1e-6, f"T of chunk {c}: max error {error:.2e} of max |T|"
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_extreme_gates(algo):
     """Gates of -30, -5000 (a chunk cumsum past -5000, where G_t - G_s would keep only 5e-4 of
@@ -526,20 +558,32 @@ def test_bad_modes_named_by_the_op(monkeypatch):
 
 
 @triton.jit
-def _rounding_kernel(a, g, inverse, decays, DOT: tl.constexpr, N: tl.constexpr):
+def _decays_kernel(g, decays, N: tl.constexpr):
     r = tl.arange(0, N)
-    tile = r[:, None] * N + r[None, :]
-    A = tl.where(r[:, None] > r[None, :], tl.load(a + tile), 0.0)
-    tl.store(inverse + tile, gdr_chunk._unit_lower_inverse(A, r, N, DOT))
-    tl.store(decays + tile, gdr_chunk._decays(tl.load(g + r), r, False, DOT))
+    tl.store(decays + r[:, None] * N + r[None, :], gdr_chunk._decays(tl.load(g + r), r, False))
+
+
+def test_decays_keep_fp32_accuracy():
+    """The chunk's decays exp(g_{s+1} + ... + g_t) from the double-fp32 cumsum: within a few
+    fp32 units of float64 behind gates of -5000 and -1e4 (the cumsum's fp32 heads round off
+    about 1e-4 there, a plain G_t - G_s decay would be off by as much)."""
+    torch.manual_seed(3)
+    g = -torch.rand(64, dtype=torch.float64) * 3
+    g[5], g[30] = -5000.0, -1e4
+    decays = torch.empty(64, 64, device=DEVICE)
+    _decays_kernel[(1,)](g.float().to(DEVICE), decays, N=64)
+    cum = g.float().double().cumsum(0)
+    exact = torch.exp(cum[:, None] - cum[None, :]).tril()
+    error = ((decays.cpu().double() - exact).abs() / exact.clamp(min=1e-30)).amax().item()
+    assert error < 2e-6, f"decays: max relative error {error:.2e}"
 
 
 def test_bf16_products():
     """FUSETUNE_GDR_DOT=bf16's product (mode 5): each fp32 operand rounded to the nearest bf16
     (torch's rounding) and the sum exact to fp32 accumulation, for fp32 with fp32 and with a
     bf16 input tile (tf32 mode, 2 more mantissa bits, fails this); two bf16 tiles keep their
-    exact product. The exceptions keep tf32 mode's values bit for bit: (I + A)^-1 by doubling
-    (tf32; in bf16 it would differ) and the decays from the gate sums (exact)."""
+    exact product. ((I + A)^-1 and the decays take no product in any mode:
+    test_inverse_kernel_blocks, test_decays_keep_fp32_accuracy.)"""
     torch.manual_seed(3)
     n = 32
     a = torch.randn(n, n) * torch.exp2(torch.randint(-8, 8, (n, n)).float())
@@ -552,17 +596,6 @@ def test_bf16_products():
             _mm_kernel[(1,)](x.to(DEVICE), y.to(DEVICE), c, DOT=dot, N=n)
             within = ((c.cpu().double() - rounded).abs() <= bound).all()
             assert within == (dot == 5 or x.dtype == torch.bfloat16), (dot, x.dtype, y.dtype)
-    a = 0.1 * torch.randn(64, 64)
-    g = -torch.rand(64) * 3
-    results = {}
-    for dot in (4, 5):
-        inverse, decays = torch.empty(64, 64, device=DEVICE), torch.empty(64, 64, device=DEVICE)
-        _rounding_kernel[(1,)](a.to(DEVICE), g.to(DEVICE), inverse, decays, DOT=dot, N=64)
-        results[dot] = inverse.cpu(), decays.cpu()
-    assert torch.equal(results[4][0], results[5][0])
-    assert torch.equal(results[4][1], results[5][1])
-    unit_lower = torch.eye(64).double() + torch.tril(a, -1).double()
-    assert_close("inverse", torch.linalg.inv(unit_lower), results[5][0], 1e-3)
 
 
 def test_backward_side_stream_modes(monkeypatch):

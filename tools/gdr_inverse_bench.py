@@ -1,10 +1,11 @@
-"""(I + A)^-1 of Gated DeltaNet's chunks two ways, alone: wy_kernel's doubling over whole 64 x 64
-tiles (``gdr_chunk._unit_lower_inverse``, ten dependent tf32 products) against FLA's structure
+"""(I + A)^-1 of Gated DeltaNet's chunks two ways, alone: wy_kernel's former doubling over whole
+64 x 64 tiles (kept here: ten dependent tf32 products) against FLA's structure
 (16 x 16 blocks: forward substitution on the four diagonal blocks, then the off-diagonal blocks
 from small IEEE fp32 block products). Each program inverts one chunk's [64, 64] A, read from and
 written to memory. Prints the error of each against a float64 inverse and the GPU time of each
 at the bench shapes' chunk counts (B4 T4096 H16: 4096 chunks; B1 T32768 H16: 8192), to decide
-whether a blocked wy_kernel is worth building (issue 20; NOTES, twenty-fourth session).
+whether a blocked wy_kernel was worth building (issue 20; NOTES, twenty-fourth session: it was,
+and gdr_chunk.inverse_kernel is it, with A formed inside).
 
     PYTHONPATH=src:tools python tools/gdr_inverse_bench.py [--chunks 4096 8192]
 
@@ -32,12 +33,27 @@ BT, BC = 64, 16
 
 
 @triton.jit
+def _doubling_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
+    """wy_kernel's former (I + A)^-1 (until 2026-12-01): with X the inverse of I + A's diagonal
+    blocks of side s, those of side 2s are X - X L X (L: A's lower-left s x s quarters), ten
+    dependent [64, 64, 64] tf32 products for BT = 64."""
+    i, j = r[:, None], r[None, :]
+    X = tl.where(i == j, 1.0, 0.0) - tl.where((i // 2 == j // 2) & (i > j), A, 0.0)
+    for level in tl.static_range(1, 6):  # sides 2, 4, ..., 32 -> 4, 8, ..., 64
+        if (2 << level) <= BT:
+            in_pair = i // (2 << level) == j // (2 << level)
+            L = tl.where(in_pair & (i // (1 << level) > j // (1 << level)), A, 0.0)
+            X = X - gdr_chunk.mm_tf32(gdr_chunk.mm_tf32(X, L, DOT), X, DOT)
+    return X
+
+
+@triton.jit
 def doubling_kernel(a_ptr, t_ptr, BT: tl.constexpr, DOT: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * BT * BT
     r = tl.arange(0, BT)
     tiles = base + r[:, None] * BT + r[None, :]
     A = tl.load(a_ptr + tiles)
-    tl.store(t_ptr + tiles, gdr_chunk._unit_lower_inverse(A, r, BT, DOT))
+    tl.store(t_ptr + tiles, _doubling_inverse(A, r, BT, DOT))
 
 
 @triton.jit
@@ -48,21 +64,15 @@ def _block(ptr, i: tl.constexpr, j: tl.constexpr, BT: tl.constexpr, BC: tl.const
 
 @triton.jit
 def _diagonal_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower [BC, BC] block by forward substitution: row i of X - I is
-    a + a (X - I) with a = -L's row i left of the diagonal (rows 0 and 1 are -L's)."""
+    """(I + L)^-1 of a strictly lower [BC, BC] block by forward substitution (the op's rows)."""
     o = tl.arange(0, BC)
     X = -L
     for i in range(2, BC):
-        a = tl.sum(tl.where((o == i)[:, None], -L, 0.0), 0)
-        a = tl.where(o < i, a, 0.0)
-        a = a + tl.sum(a[:, None] * X, 0)
-        X = tl.where((o == i)[:, None], a[None, :], X)
+        X = gdr_chunk._substitute(X, i, o)
     return X + tl.where(o[:, None] == o[None, :], 1.0, 0.0)
 
 
-@triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+_mm = gdr_chunk._ieee
 
 
 @triton.jit

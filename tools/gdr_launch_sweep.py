@@ -66,6 +66,10 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "bwd_chunk_kernel": dict(num_stages=2),
     },
     "wy 2 stages": {"wy_kernel": dict(num_stages=2)},
+    "wy 8 warps": {"wy_kernel": dict(num_warps=8)},
+    # the blocked inverse (2026-12-01): one warp keeps the substitution's reductions in a warp
+    "inverse 2 warps": {"inverse_kernel": dict(num_warps=2)},
+    "inverse 4 warps": {"inverse_kernel": dict(num_warps=4)},
     # one output_kernel program a chunk (V = 128): Q K^T and the decays formed once, not twice;
     # 131072 bytes of shared memory, 147 registers at 8 warps (offline, sm_90, Triton 3.6)
     "output one block, 8 warps": {

@@ -130,7 +130,9 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     tf32 = gdr_chunk.tf32_buffers(DOTS[mode])  # (tf32 and bf16 products)
     per_chunk = 4 if tf32 else 8  # the launcher's warps for wy and output
     sequential = seq_bf16(dtype, DOTS[mode])  # bf16 W and products (FUSETUNE_GDR_W)
+    inverse = {n: base[n] for n in ("GROUP", "BT", "VARLEN", "DOT", "L2NORM")}
     jobs = [
+        ("inverse_kernel", gdr_chunk.inverse_kernel, inverse, 1),
         ("wy_kernel", gdr_chunk.wy_kernel, dict(base, BV=min(dim, 64), LOCAL_DD=False), per_chunk),
         (
             "wy_kernel (backward)",

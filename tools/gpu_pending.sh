@@ -86,6 +86,9 @@
 #     (docs/bench/session-2026-11-28-twentysecond/call-01).
 #   bash tools/gpu_pending.sh gdr-branch 1 GPU, no carry (~5 minutes): a GDR branch's first call:
 #     the GDR GPU tests and the fault probe.
+#   bash tools/gpu_pending.sh gdr-wy    1 GPU, carry .main_src .peers (~9 minutes): the blocked
+#     inverse (2026-12-01): a tree before and this one timed at both shapes, per kernel beside FLA
+#     at B4, wy's 2-stage row at both, the GDR GPU tests, the fault probe at both shapes.
 #   bash tools/gpu_pending.sh gdr-trees 1 GPU, carry .gdr_trees (~3 minutes): fwd+bwd at both bench
 #     shapes for each source tree under .gdr_trees/NAME/src and the checkout's, one call. After
 #     2026-11-28 nineteenth: check out gdr-next (gdr-bwd-rowsums + gdr-bwd-launch), then
@@ -217,6 +220,28 @@ if [ "${1:-}" = gdr-trees ]; then  # GDR source trees timed side by side (carry 
       gdr_tree_row "$tree" "$1" "$2" "$OUT/gdr-trees.log"
     done
   done
+  echo "done in $SECONDS s"
+  exit 0
+fi
+if [ "${1:-}" = gdr-wy ]; then  # the blocked inverse: old and new trees timed, tests, probe
+  bash tools/install_carried.sh .peers >/dev/null 2>&1  # (FLA, where carried)
+  export PYTHONPATH=src:tests:tools:/tmp/site
+  for shape in "4 4096" "1 32768"; do  # (carry .main_src: git archive of the tree before)
+    set -- $shape
+    gdr_tree_row .main_src/src "$1" "$2" "$OUT/gdr-trees.log"
+    gdr_tree_row src "$1" "$2" "$OUT/gdr-trees.log"
+  done
+  if [ -d /tmp/site/fla ]; then  # per kernel beside FLA, B4
+    timeout 150 python3 tools/gdr_kernel_profile.py --batch 4 --seq-len 4096 2>&1 \
+      | tee "$OUT/gdr-profile-b4-t4096.log"
+  fi
+  for shape in "4 4096" "1 32768"; do
+    set -- $shape
+    timeout 60 python3 tools/gdr_launch_sweep.py --repeats 3 --batch "$1" --seq-len "$2" \
+      --only "launcher's settings" --only "wy 2 stages" 2>&1 | tee -a "$OUT/gdr-sweep.log"
+  done
+  gdr_tests
+  gdr_probe 100 --repeats 2 --shapes b4t4096 b1t32768
   echo "done in $SECONDS s"
   exit 0
 fi

@@ -99,9 +99,9 @@ class _ChunkRun:
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
         slots = slot_count(self.max_chunks, plan.n_seq, plan.varlen)
         rows = (plan.batch, plan.seq_len, plan.value_heads)
-        # (I + A)^-1 per chunk, for the backward's bwd_pairs_kernel, which leaves dKK + dKK^T
-        # over it for bwd_chunk_kernel (the forward forms W and U from T inside wy_kernel)
-        self.t_buf = _utils.empty((*rows, self.bt) if backward else (0,), f32, device)
+        # (I + A)^-1 per chunk (inverse_kernel's), read by wy_kernel and the backward's
+        # bwd_pairs_kernel, which leaves dKK + dKK^T over it for bwd_chunk_kernel
+        self.t_buf = _utils.empty((*rows, self.bt), f32, device)
         self.u_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U (wy_kernel's)
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         # the sequential kernels' per-token and per-chunk factors (wy_kernel's): a key's decay
@@ -156,6 +156,10 @@ class _ChunkRun:
         self.bwd_pairs_launch = dict(self.per_chunk, num_stages=2 if tf32 else 1)
         self.bwd_chunk_launch = dict(self.wide, num_stages=2 if tf32 else 1)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
+        # one warp: the 16 x 16 forward substitution's row reductions stay inside it
+        self.inverse_launch = {**{n: self.common[n] for n in ("GROUP", "K", "BT", "VARLEN",
+                                                              "DOT", "L2NORM")},
+                               "num_warps": 1, "num_stages": 1}  # fmt: skip
         self.column_grid = (_utils.cdiv(plan.value_dim, self.bv), plan.n_seq * plan.value_heads)
         # The sequential kernels are latency-bound. dstates_kernel runs faster at 8 warps at both
         # bench shapes; states_kernel only where its programs leave SMs idle (H200, fwd+bwd: B1
@@ -183,6 +187,10 @@ class _ChunkRun:
         ``do``, dD's local part P^T dO into ``dd_buf``)."""
         local = do is not None
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
+        gdr_chunk.inverse_kernel[self.chunk_grid](
+            k, g, beta, self.t_buf, cu_arg, *bth_strides(k), *g.stride(), *beta.stride(),
+            plan.seq_len, plan.value_heads, **self.inverse_launch,
+        )
         gdr_chunk.wy_kernel[self.chunk_grid](
             q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.u_buf,
             dd_buf if local else self.u_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,

@@ -7,11 +7,12 @@ log decays G_t = g_1 + ... + g_t, and Gamma_ts = exp(G_t - G_s) for t >= s:
     D = U - W S0
     O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma, t >= s) D]
     S_end = exp(G_last) S0 + (exp(G_last - G) K)^T D
-Forward, three launches: ``wy_kernel`` (per chunk, in parallel: A, T, W and U, kept, and the
-per-token factors the sequential kernels scale by, so that their chunk steps hold only the
-state's products), ``states_kernel`` (per sequence, value head and block of value columns,
-sequential over chunks: every chunk's S0 and D from W and U, the final state), ``output_kernel``
-(per chunk and block of value columns: O). Backward: below.
+Forward, four launches: ``inverse_kernel`` (per chunk, in parallel: A and T, in 16 x 16
+blocks at one warp), ``wy_kernel`` (per chunk: W and U from T, kept, and the per-token factors
+the sequential kernels scale by, so that their chunk steps hold only the state's products),
+``states_kernel`` (per sequence, value head and block of value columns, sequential over
+chunks: every chunk's S0 and D from W and U, the final state), ``output_kernel`` (per chunk and
+block of value columns: O). Backward: below.
 The sequential kernels carry the state in fp32; the per-chunk copies of S0 and dS they store
 for the parallel kernels are bf16 for bf16 inputs (``state_dtype``), fp32 otherwise. For bf16
 inputs W is stored in bf16 too and the sequential kernels' products are bf16 ones, each fp32
@@ -151,14 +152,15 @@ def dot_mode(dtype: torch.dtype, shared_memory: int | None = None) -> int:
     (3: split3; fp32 operands as two tf32 halves, 16-bit inputs as they are) and rounded once
     to tf32 for bf16 inputs (4: tf32) where the GPU holds its tiles, as GSA does: tf32's
     rounding (2^-11) is 4x finer than bf16's own (2^-8), while fp16's 11-bit mantissa is finer
-    than tf32's (tf32 there cost GSA 1.5e-2 on dg). The gate sums and dg's span sums stay split
-    in every tensor-core mode (``mm_exact``): exp and dg's cancellations amplify their rounding.
+    than tf32's (tf32 there cost GSA 1.5e-2 on dg). The gate sums and dg's span sums take no
+    product in any mode (``_decays``' double-fp32 cumsum, fp32 scans): exp and dg's
+    cancellations amplify rounding.
     ``FUSETUNE_GDR_DOT=ieee|split3|tf32|bf16`` forces one mode for every dtype (ieee: IEEE fp32
     FMA, 12x slower at Qwen3.5's sizes, kept as the second oracle; bf16 (5), an opt-in trade of
     exactness for speed: tf32's buffers and launch settings, but each per-chunk product's fp32
     operand rounded to bf16 in registers, one bf16 tensor-core product with fp32 accumulation,
-    FLA's precision; the gate sums stay ``mm_exact`` and (I + A)^-1's doubling tf32, ``mm_tf32``,
-    as the inverse's products compound; see ``mm``). Triton's own
+    FLA's precision; (I + A)^-1 is IEEE fp32 in every mode, ``inverse_kernel``; see ``mm``).
+    Triton's own
     input_precision="tf32x3" is not used: under Triton 3.6 it faulted on small shapes (see
     min_block), and a bf16x6 mode faulted at K = 128."""
     mode = os.environ.get("FUSETUNE_GDR_DOT", "auto")
@@ -408,10 +410,8 @@ def mm(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def mm_tf32(a, b, DOT: tl.constexpr):
-    """``mm`` with bf16 mode's products at tf32 instead: for (I + A)^-1's doubling, whose ten
-    dependent products compound their operands' rounding into T (and so into W, U and every
-    gradient through them), where tf32's 10 mantissa bits are finer than bf16's 8; and for
-    the sequential kernels' products below level 2 (``mm_state``)."""
+    """``mm`` with bf16 mode's products at tf32 instead: the sequential kernels' products below
+    level 2 (``mm_state``)."""
     if DOT == 5:
         return mm(a, b, 4)
     else:
@@ -420,8 +420,7 @@ def mm_tf32(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def mm_exact(a, b, DOT: tl.constexpr):
-    """``mm`` at about fp32's accuracy in every tensor-core mode (split3 for tf32): for the sums
-    of gates that exp turns into decays and dg's span sums, which cancel."""
+    """``mm`` at about fp32's accuracy in every tensor-core mode (split3 for tf32)."""
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
@@ -450,14 +449,28 @@ def _load_gates(g_buf, buf_rows, mt):
 
 
 @triton.jit
-def _decays(g, r, LOWER: tl.constexpr, DOT: tl.constexpr):
-    """exp(g_{s+1} + ... + g_t) on t > s (LOWER) or t >= s, else 0. The sums are formed
-    directly (a 0/1 matmul of terms of one sign), not as G_t - G_s: cumsums reach -1000 and
-    more in these models, where fp32 keeps only 1e-4 absolute, and exp turns that into a
-    1e-4 relative error of the decay."""
-    upto = tl.where(r[None, :] <= r[:, None], g[None, :], 0.0)  # [t, u]: g_u for u <= t
-    after = tl.where(r[:, None] > r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [u, s]: u > s
-    span = mm_exact(upto, after, DOT)  # [t, s]: sum over s < u <= t (0 / 1 in bf16: 2 dots)
+def _add2(a_hi, a_lo, b_hi, b_lo):
+    """(a_hi + a_lo) + (b_hi + b_lo) as an unevaluated pair (hi, lo) with hi = fl(hi + lo):
+    Knuth's TwoSum for the heads' rounding error, then one renormalising step (double-fp32,
+    about 2^-44 relative). Adds only: no FMA contraction can change it."""
+    s = a_hi + b_hi
+    b_virtual = s - a_hi
+    error = (a_hi - (s - b_virtual)) + (b_hi - b_virtual)
+    lo = (a_lo + b_lo) + error
+    hi = s + lo
+    return hi, lo - (hi - s)
+
+
+@triton.jit
+def _decays(g, r, LOWER: tl.constexpr):
+    """exp(g_{s+1} + ... + g_t) on t > s (LOWER) or t >= s, else 0. G_t - G_s in fp32 would not
+    do: cumsums reach -1000 and more in these models, where fp32 keeps only 1e-4 absolute, and
+    exp turns that into a 1e-4 relative error of the decay. So the cumsum is carried as a
+    double-fp32 pair (hi, lo) and the span is (hi_t - hi_s) + (lo_t - lo_s): the heads'
+    difference is exact where it is small (Sterbenz) and the tails restore what the heads
+    rounded off, so the span keeps fp32's relative accuracy (elementwise: no product)."""
+    hi, lo = tl.associative_scan((g, tl.zeros_like(g)), 0, _add2)
+    span = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
     if LOWER:
         keep = r[:, None] > r[None, :]
     else:
@@ -491,22 +504,179 @@ def _l2norm_grad(x_in, r, dy):
     return r[:, None] * (dy - y * tl.sum(y * dy, axis=1)[:, None])
 
 
+BLOCK = tl.constexpr(16)  # the inverse's block side (inverse_kernel)
+KEY_STEP = tl.constexpr(32)  # key columns a step of its k k^T loop
+
+
 @triton.jit
-def _unit_lower_inverse(A, r, BT: tl.constexpr, DOT: tl.constexpr):
-    """(I + A)^-1 for a strictly lower [BT, BT] A, by doubling the diagonal blocks. With X the
-    inverse of I + A's diagonal blocks of side s, those of side 2s are D + L (D: the blocks X
-    inverts; L: A's entries in their lower-left s x s quarter), and (D + L)^-1 = X - X L X
-    exactly, since (X L)^2 = 0: the recursive triangular inversion, as stable as forward
-    substitution (no series of powers that cancel), in two dependent products a level (10 for
-    BT = 64, where 15 row steps and a 4-term series took 19). Side 2 needs none: X = I - L."""
-    i, j = r[:, None], r[None, :]
-    X = tl.where(i == j, 1.0, 0.0) - tl.where((i // 2 == j // 2) & (i > j), A, 0.0)
-    for level in tl.static_range(1, 6):  # sides 2, 4, ..., 32 -> 4, 8, ..., 64
-        if (2 << level) <= BT:
-            in_pair = i // (2 << level) == j // (2 << level)
-            L = tl.where(in_pair & (i // (1 << level) > j // (1 << level)), A, 0.0)
-            X = X - mm_tf32(mm_tf32(X, L, DOT), X, DOT)
-    return X
+def _block_factors(g_rows, beta_rows, mt, key_sq, L2NORM: tl.constexpr):
+    """Per token of a block (its gates' and betas' pointers): beta_t / ||k_t|| (A's row factor),
+    1 / ||k_s|| (its column factor; ``key_sq`` the keys' squared norms), the floored gates."""
+    gq = tl.maximum(tl.load(g_rows, mask=mt, other=0.0).to(tl.float32), -1.0e4)
+    bc = tl.load(beta_rows, mask=mt, other=0.0).to(tl.float32)
+    if L2NORM:  # (as inv_norms)
+        rk = tl.div_rn(1.0, tl.sqrt_rn(key_sq + 1e-6))
+    else:
+        rk = tl.full([BLOCK], 1.0, tl.float32)
+    return bc * rk, rk, gq
+
+
+@triton.jit
+def _diagonal_block(kk, left, rk, gq):
+    """A's strictly lower diagonal block beta_t (k_t . k_s) exp(g_{s+1} + ... + g_t) / norms."""
+    return left[:, None] * kk * rk[None, :] * _decays(gq, tl.arange(0, BLOCK), True)
+
+
+@triton.jit
+def _pair_block(kk, left_t, head_t, rk_s, tail_s, between):
+    """A's block of rows t (a later block) and columns s: the decay's span sum is the tail of s's
+    block after s, the totals of the blocks between (``between``) and the head of t's block up
+    to t, all terms <= 0 (no G_t - G_s: see _decays)."""
+    span = (head_t[:, None] + tail_s[None, :]) + between
+    return left_t[:, None] * kk * rk_s[None, :] * tl.exp(span)
+
+
+@triton.jit
+def _substitute(X, i, o):
+    """Row i of (I + L)^-1 - I by forward substitution, X starting as -L: rows < i final, rows
+    from i still -L's, so X's row i is a = -L's (zero from column i on), and the row is a + a X."""
+    a = tl.sum(tl.where((o == i)[:, None], X, 0.0), 0)
+    a = a + tl.sum(a[:, None] * X, 0)
+    return tl.where((o == i)[:, None], a[None, :], X)
+
+
+@triton.jit
+def _ieee(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _key_rows(k, rows, mt, c0, sk_t, K):
+    ck = c0 + tl.arange(0, KEY_STEP)
+    return tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & (ck < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _square_sum(x):
+    x = x.to(tl.float32)
+    return tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _store_block(t_buf, buf_rows, mt, j: tl.constexpr, X, BT: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(t_buf + buf_rows[:, None] * BT + (o + j * BLOCK)[None, :], X, mask=mt[:, None])
+
+
+@triton.jit
+def inverse_kernel(
+    k, g, beta, t_buf, cu, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+    T, HV, GROUP: tl.constexpr, K, BT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    """T = (I + A)^-1 per chunk [T, HV, BT] (fp32), A_ts = beta_t Gamma_ts (k_t . k_s) on t > s,
+    in blocks of 16 tokens (NB = BT / 16 of them), as FLA's kkt_solve: k k^T's NB (NB + 1) / 2
+    lower blocks summed over steps of 32 key columns (``mm``'s mode), the diagonal blocks of T
+    by forward substitution (interleaved: independent chains), then T_ij = -T_ii sum_{j <= m <
+    i} A_im T_mj by distance from the diagonal, in IEEE fp32 block products. Run at one warp:
+    the substitution's row reductions stay inside it (at 4 warps they crossed warps and the
+    inverse took 3x as long: tools/gdr_inverse_bench.py). The block products are 16 x 16 IEEE
+    ones (no tensor cores: none of Triton 3.6's 16-wide Hopper faults, see min_block), about
+    1e4 times closer to float64 than wy_kernel's former tf32 doubling (1.8e-8 vs 2.2e-4)."""
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    if start >= end:
+        return
+    NB: tl.constexpr = BT // BLOCK
+    o = tl.arange(0, BLOCK)
+    k += i_b * sk_b + (i_h // GROUP) * sk_h
+    g += i_b * sg_b + i_h * sg_h
+    beta += i_b * sb_b + i_h * sb_h
+    rows0, rows1 = start + o, start + BLOCK + o
+    rows2, rows3 = rows0 + 2 * BLOCK, rows0 + 3 * BLOCK
+    mt0, mt1, mt2, mt3 = rows0 < end, rows1 < end, rows2 < end, rows3 < end
+    zero = tl.zeros([BLOCK, BLOCK], tl.float32)
+    KK00, KK10, KK11, KK20, KK21 = zero, zero, zero, zero, zero
+    KK22, KK30, KK31, KK32, KK33 = zero, zero, zero, zero, zero
+    n0 = tl.sum(zero, 0)
+    n1, n2, n3 = n0, n0, n0
+    for c0 in range(0, K, KEY_STEP):  # the ten blocks of k k^T; the keys' squared norms
+        k0 = _key_rows(k, rows0, mt0, c0, sk_t, K)
+        KK00 += mm(k0, tl.trans(k0), DOT)
+        n0 += _square_sum(k0)
+        if NB > 1:
+            k1 = _key_rows(k, rows1, mt1, c0, sk_t, K)
+            KK10 += mm(k1, tl.trans(k0), DOT)
+            KK11 += mm(k1, tl.trans(k1), DOT)
+            n1 += _square_sum(k1)
+        if NB > 2:
+            k2 = _key_rows(k, rows2, mt2, c0, sk_t, K)
+            k3 = _key_rows(k, rows3, mt3, c0, sk_t, K)
+            KK20 += mm(k2, tl.trans(k0), DOT)
+            KK21 += mm(k2, tl.trans(k1), DOT)
+            KK22 += mm(k2, tl.trans(k2), DOT)
+            KK30 += mm(k3, tl.trans(k0), DOT)
+            KK31 += mm(k3, tl.trans(k1), DOT)
+            KK32 += mm(k3, tl.trans(k2), DOT)
+            KK33 += mm(k3, tl.trans(k3), DOT)
+            n2 += _square_sum(k2)
+            n3 += _square_sum(k3)
+    left0, rk0, g0 = _block_factors(g + rows0 * sg_t, beta + rows0 * sb_t, mt0, n0, L2NORM)
+    X0 = -_diagonal_block(KK00, left0, rk0, g0)
+    if NB > 1:
+        left1, rk1, g1 = _block_factors(g + rows1 * sg_t, beta + rows1 * sb_t, mt1, n1, L2NORM)
+        X1 = -_diagonal_block(KK11, left1, rk1, g1)
+        A10 = _pair_block(KK10, left1, tl.cumsum(g1, 0), rk0, _tail(g0, o), 0.0)
+    if NB > 2:
+        left2, rk2, g2 = _block_factors(g + rows2 * sg_t, beta + rows2 * sb_t, mt2, n2, L2NORM)
+        left3, rk3, g3 = _block_factors(g + rows3 * sg_t, beta + rows3 * sb_t, mt3, n3, L2NORM)
+        X2 = -_diagonal_block(KK22, left2, rk2, g2)
+        X3 = -_diagonal_block(KK33, left3, rk3, g3)
+        head2, head3 = tl.cumsum(g2, 0), tl.cumsum(g3, 0)
+        tail0, tail1 = _tail(g0, o), _tail(g1, o)
+        total1, total2 = tl.sum(g1, 0), tl.sum(g2, 0)
+        A20 = _pair_block(KK20, left2, head2, rk0, tail0, total1)
+        A21 = _pair_block(KK21, left2, head2, rk1, tail1, 0.0)
+        A30 = _pair_block(KK30, left3, head3, rk0, tail0, total1 + total2)
+        A31 = _pair_block(KK31, left3, head3, rk1, tail1, total2)
+        A32 = _pair_block(KK32, left3, head3, rk2, _tail(g2, o), 0.0)
+    for i in range(2, BLOCK):  # the diagonal blocks' rows, NB independent chains
+        X0 = _substitute(X0, i, o)
+        if NB > 1:
+            X1 = _substitute(X1, i, o)
+        if NB > 2:
+            X2 = _substitute(X2, i, o)
+            X3 = _substitute(X3, i, o)
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    out0 = (i_b * T + rows0) * HV + i_h  # block j's buffer rows: out0 + j * step
+    step = BLOCK * HV
+    X0 += eye
+    _store_block(t_buf, out0, mt0, 0, X0, BT)
+    for j in tl.static_range(1, NB):
+        _store_block(t_buf, out0, mt0, j, zero, BT)
+    if NB > 1:
+        X1 += eye
+        X10 = -_ieee(_ieee(X1, A10), X0)
+        _store_block(t_buf, out0 + step, mt1, 0, X10, BT)
+        _store_block(t_buf, out0 + step, mt1, 1, X1, BT)
+        for j in tl.static_range(2, NB):
+            _store_block(t_buf, out0 + step, mt1, j, zero, BT)
+    if NB > 2:
+        X2 += eye
+        X3 += eye
+        X21 = -_ieee(_ieee(X2, A21), X1)
+        X32 = -_ieee(_ieee(X3, A32), X2)
+        X20 = -_ieee(X2, _ieee(A20, X0) + _ieee(A21, X10))
+        X31 = -_ieee(X3, _ieee(A31, X1) + _ieee(A32, X21))
+        X30 = -_ieee(X3, _ieee(A30, X0) + _ieee(A31, X10) + _ieee(A32, X20))
+        _store_block(t_buf, out0 + 2 * step, mt2, 0, X20, BT)
+        _store_block(t_buf, out0 + 2 * step, mt2, 1, X21, BT)
+        _store_block(t_buf, out0 + 2 * step, mt2, 2, X2, BT)
+        _store_block(t_buf, out0 + 2 * step, mt2, 3, zero, BT)
+        _store_block(t_buf, out0 + 3 * step, mt3, 0, X30, BT)
+        _store_block(t_buf, out0 + 3 * step, mt3, 1, X31, BT)
+        _store_block(t_buf, out0 + 3 * step, mt3, 2, X32, BT)
+        _store_block(t_buf, out0 + 3 * step, mt3, 3, X3, BT)
 
 
 @triton.jit
@@ -519,15 +689,15 @@ def wy_kernel(
     LOCAL_DD: tl.constexpr,
 ):
     """Per chunk, everything that does not depend on the state (fp32, rows of the contiguous
-    buffers r = (b * T + t) * HV + h): the floored gates g [T, HV], W = (T diag(beta e^G)) K
-    [T, HV, K] and U = (T diag(beta)) V [T, HV, V] with T = (I + A)^-1 (states_kernel turns U
-    into D = U - W S0 in place); for the backward (LOCAL_DD) also T [T, HV, BT] and dD's local
-    part P^T dO into dd_buf (dstates_kernel adds the state's). So the sequential kernels do only
-    the products that carry the state: two a chunk forward, three backward, where they formed
-    W, U and P per block of value columns. Their per-token factors come from here too (no
-    gate sums, key norms or exp in their loops): kd_buf [T, HV] = exp(g_{t+1} + ... + g_last)
-    rk_t (a key's decay to the chunk's end), decay_buf [slot, HV] = exp(G_last), and for the
-    backward qd_buf [T, HV] = scale rq_t exp(G_t)."""
+    buffers r = (b * T + t) * HV + h), from inverse_kernel's T = (I + A)^-1 in t_buf: the
+    floored gates g [T, HV], W = (T diag(beta e^G)) K [T, HV, K] and U = (T diag(beta)) V
+    [T, HV, V] (states_kernel turns U into D = U - W S0 in place); for the backward
+    (LOCAL_DD) also dD's local part P^T dO into dd_buf (dstates_kernel adds the state's). So
+    the sequential kernels do only the products that carry the state: two a chunk forward,
+    three backward, where they formed W, U and P per block of value columns. Their per-token
+    factors come from here too (no gate sums, key norms or exp in their loops): kd_buf [T, HV]
+    = exp(g_{t+1} + ... + g_last) rk_t (a key's decay to the chunk's end), decay_buf [slot, HV]
+    = exp(G_last), and for the backward qd_buf [T, HV] = scale rq_t exp(G_t)."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
@@ -543,18 +713,9 @@ def wy_kernel(
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
     r = tl.arange(0, BT)
     rk = inv_norms(k_in, BT, L2NORM)
-    KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
-    if LOCAL_DD:  # P's decays too: the strictly lower ones are the same values
-        gamma = _decays(gq, r, False, DOT)
-        gamma_lower = tl.where(r[:, None] > r[None, :], gamma, 0.0)
-    else:
-        gamma_lower = _decays(gq, r, True, DOT)
-    A = bc[:, None] * KK * gamma_lower
-    Tinv = _unit_lower_inverse(A, r, BT, DOT)
     out_rows = (i_b * T + rows) * HV + i_h
+    Tinv = tl.load(t_buf + out_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
     tl.store(gc_buf + out_rows, gq, mask=mt)
-    if LOCAL_DD:  # only bwd_pairs_kernel reads T again
-        tl.store(t_buf + out_rows[:, None] * BT + r[None, :], Tinv, mask=mt[:, None])
     gc, total = gate_sums(gq)
     tl.store(kd_buf + out_rows, tl.where(mt, tl.exp(_tail(gq, r)), 0.0) * rk, mask=mt)
     slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
@@ -567,7 +728,7 @@ def wy_kernel(
     if LOCAL_DD:
         q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
                        mask=mtk, other=0.0)
-        P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma)
+        P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False))
         rq = inv_norms(q_in, BT, L2NORM)
         Pt = tl.trans(P * (rq[:, None] * rk[None, :]))
         tl.store(qd_buf + out_rows, scale * rq * tl.exp(gc), mask=mt)
@@ -668,7 +829,7 @@ def output_kernel(
     S0 = tl.load(h_buf + (slot * HV + i_h) * K * V + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
     rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
-    attn = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False, DOT))
+    attn = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False))
     attn = attn * (rq[:, None] * rk[None, :])
     out = (scale * rq * tl.exp(gc))[:, None] * mm(q_in, S0, DOT) + mm(attn, Dc, DOT)
     tl.store(o + i_b * so_b + i_h * so_h + rows[:, None] * so_t + cv[None, :],
@@ -676,8 +837,8 @@ def output_kernel(
 
 
 # ============================================================================ backward
-# Recompute T, g, W, U (wy_kernel, which also leaves dD's local part P^T dO) and S0, D
-# (states_kernel) as the forward does; then
+# Recompute T (inverse_kernel), g, W, U (wy_kernel, which also leaves dD's local part P^T dO)
+# and S0, D (states_kernel) as the forward does; then
 # ``dstates_kernel`` walks the chunks in reverse carrying dS (the gradient of the state after a
 # chunk), storing it per chunk with dD. dstates reads no state (only wy_kernel's outputs and the
 # inputs), so the launcher may run the states recompute beside it on a second stream
@@ -803,7 +964,7 @@ def bwd_pairs_kernel(
                    other=0.0)
     rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
-    gamma = _decays(gq, r, False, DOT)
+    gamma = _decays(gq, r, False)
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
     tl.store(dqk_buf + pair_tile, dP * gamma, mask=mt[:, None])
     pairs = dP * P
@@ -811,16 +972,19 @@ def bwd_pairs_kernel(
     # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
     dA = -mm(tl.trans(Tinv), dDD, DOT)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    gamma_lower = _decays(gq, r, True, DOT)
+    gamma_lower = tl.where(r[:, None] > r[None, :], gamma, 0.0)  # (the same values)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
     tl.store(t_buf + pair_tile, dKK + tl.trans(dKK), mask=mt[:, None])  # (T read above)
     dbeta += tl.sum(dA * gamma_lower * KK, axis=1)
     pairs += dKK * KK  # dA * A
     pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
-    before = tl.where(r[:, None] < r[None, :], 1.0, 0.0).to(tl.bfloat16)  # [s, u]: s < u
-    spans = mm_exact(pairs, before, DOT)  # [t, u]: sum over s < u
-    dg = tl.sum(tl.where(r[:, None] >= r[None, :], spans, 0.0), axis=0)
+    # dg_u = sum over t >= u, s < u of pairs[t, s] = below[u - 1], below[v] = sum over t > v of
+    # the row prefix sums over s <= v (fp32 scans, no product; no inclusive-minus-own difference
+    # that would lose a small prefix beside a large term)
+    prefix = tl.cumsum(pairs, 1)
+    below = tl.sum(tl.where(r[:, None] > r[None, :], prefix, 0.0), axis=0)
+    dg = tl.sum(tl.where(r[:, None] + 1 == r[None, :], below[:, None], 0.0), axis=0)
     tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
     tl.store(dg_buf + buf_rows, dg, mask=mt)
 
