@@ -280,8 +280,8 @@ run, _ = make_run(lambda: fusetune.gated_delta_rule(*leaves, use_qk_l2norm_in_ke
 for _ in range(3):
     run()
 torch.cuda.synchronize()'
-  for kernel in bwd_chunk_kernel bwd_pairs_kernel wy_kernel output_kernel; do  # B4 T4096
-    timeout 150 "$ncu" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 \
+  for kernel in ${KERNELS:-bwd_chunk_kernel bwd_pairs_kernel wy_kernel output_kernel}; do  # B4
+    timeout "${KERNEL_S:-150}" "$ncu" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats python3 -c "$step" 2>&1 \
       | tee -a "$OUT/gdr-ncu.log"
