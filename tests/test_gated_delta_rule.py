@@ -516,8 +516,8 @@ class LaunchSpy:
         return run
 
 
-CHUNK_KERNELS = ("wy_kernel", "states_kernel", "output_kernel", "dstates_kernel",
-                 "bwd_pairs_kernel", "bwd_chunk_kernel")  # fmt: skip
+CHUNK_KERNELS = ("inverse_kernel", "wy_kernel", "states_kernel", "output_kernel",
+                 "dstates_kernel", "bwd_pairs_kernel", "bwd_chunk_kernel")  # fmt: skip
 
 
 @pytest.mark.parametrize("dot,level", [("auto", "auto"), ("bf16", "auto"), ("auto", "d"),

@@ -20,7 +20,8 @@ from gdr_fault_case import DEVICE, inputs  # noqa: E402
 
 import fusetune  # noqa: E402
 
-KERNELS = ["wy_kernel", "states_kernel", "output_kernel", "dstates_kernel", "bwd_chunk_kernel"]
+KERNELS = ["inverse_kernel", "wy_kernel", "states_kernel", "output_kernel", "dstates_kernel",
+           "bwd_pairs_kernel", "bwd_chunk_kernel"]
 
 
 class Spy:
