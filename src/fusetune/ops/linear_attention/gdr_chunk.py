@@ -491,10 +491,21 @@ def inv_norms(x_in, BT: tl.constexpr, L2NORM: tl.constexpr):
     The kernels fold these into per-token factors, so that q and k enter the products as the
     16-bit input tiles they are (one tensor-core product where fp32 q, k took a split one)."""
     if L2NORM:
-        x = x_in.to(tl.float32)
-        return tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) + 1e-6))
+        return _norm_from_squares(_square_sum(x_in))
     else:
         return tl.full([BT], 1.0, tl.float32)
+
+
+@triton.jit
+def _square_sum(x):
+    x = x.to(tl.float32)
+    return tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _norm_from_squares(square_sum):
+    """1 / ||x|| from a row's summed squares, as the models' l2norm (rsqrt(sum x^2 + 1e-6))."""
+    return tl.div_rn(1.0, tl.sqrt_rn(square_sum + 1e-6))
 
 
 @triton.jit
@@ -514,8 +525,8 @@ def _block_factors(g_rows, beta_rows, mt, key_sq, L2NORM: tl.constexpr):
     1 / ||k_s|| (its column factor; ``key_sq`` the keys' squared norms), the floored gates."""
     gq = tl.maximum(tl.load(g_rows, mask=mt, other=0.0).to(tl.float32), -1.0e4)
     bc = tl.load(beta_rows, mask=mt, other=0.0).to(tl.float32)
-    if L2NORM:  # (as inv_norms)
-        rk = tl.div_rn(1.0, tl.sqrt_rn(key_sq + 1e-6))
+    if L2NORM:
+        rk = _norm_from_squares(key_sq)
     else:
         rk = tl.full([BLOCK], 1.0, tl.float32)
     return bc * rk, rk, gq
@@ -555,12 +566,6 @@ def _key_rows(k, rows, mt, c0, sk_t, K):
     ck = c0 + tl.arange(0, KEY_STEP)
     return tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & (ck < K)[None, :],
                    other=0.0)
-
-
-@triton.jit
-def _square_sum(x):
-    x = x.to(tl.float32)
-    return tl.sum(x * x, axis=1)
 
 
 @triton.jit
@@ -626,14 +631,15 @@ def inverse_kernel(
     if NB > 1:
         left1, rk1, g1 = _block_factors(g + rows1 * sg_t, beta + rows1 * sb_t, mt1, n1, L2NORM)
         X1 = -_diagonal_block(KK11, left1, rk1, g1)
-        A10 = _pair_block(KK10, left1, tl.cumsum(g1, 0), rk0, _tail(g0, o), 0.0)
+        tail0 = _tail(g0, o)
+        A10 = _pair_block(KK10, left1, tl.cumsum(g1, 0), rk0, tail0, 0.0)
     if NB > 2:
         left2, rk2, g2 = _block_factors(g + rows2 * sg_t, beta + rows2 * sb_t, mt2, n2, L2NORM)
         left3, rk3, g3 = _block_factors(g + rows3 * sg_t, beta + rows3 * sb_t, mt3, n3, L2NORM)
         X2 = -_diagonal_block(KK22, left2, rk2, g2)
         X3 = -_diagonal_block(KK33, left3, rk3, g3)
         head2, head3 = tl.cumsum(g2, 0), tl.cumsum(g3, 0)
-        tail0, tail1 = _tail(g0, o), _tail(g1, o)
+        tail1 = _tail(g1, o)
         total1, total2 = tl.sum(g1, 0), tl.sum(g2, 0)
         A20 = _pair_block(KK20, left2, head2, rk0, tail0, total1)
         A21 = _pair_block(KK21, left2, head2, rk1, tail1, 0.0)
