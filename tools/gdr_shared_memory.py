@@ -131,15 +131,11 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
     per_chunk = 4 if tf32 else 8  # the launcher's warps for wy and output
     sequential = seq_bf16(dtype, DOTS[mode])  # bf16 W and products (FUSETUNE_GDR_W)
     inverse = {n: base[n] for n in ("GROUP", "BT", "VARLEN", "DOT", "L2NORM")}
+    wy = dict(inverse, BKW=min(dim, 64), BV=min(dim, 64))
     jobs = [
         ("inverse_kernel", gdr_chunk.inverse_kernel, inverse, 1),
-        ("wy_kernel", gdr_chunk.wy_kernel, dict(base, BV=min(dim, 64), LOCAL_DD=False), per_chunk),
-        (
-            "wy_kernel (backward)",
-            gdr_chunk.wy_kernel,
-            dict(base, BV=min(dim, 64), LOCAL_DD=True),
-            per_chunk,
-        ),
+        ("wy_kernel", gdr_chunk.wy_kernel, dict(wy, LOCAL_DD=False), per_chunk),
+        ("wy_kernel (backward)", gdr_chunk.wy_kernel, dict(wy, LOCAL_DD=True), per_chunk),
         (
             "states_kernel",
             gdr_chunk.states_kernel,

@@ -146,6 +146,9 @@ class _ChunkRun:
         self.wide = dict(self.common, num_warps=8)
         tf32 = gdr_chunk.tf32_buffers(dot)  # (bf16 products too)
         self.per_chunk = self.common if tf32 else self.wide  # wy_kernel, output_kernel
+        # wy_kernel's key columns go by in steps of at most 64 (its docstring)
+        self.wy_launch = {**{n: x for n, x in self.per_chunk.items() if n != "BK"},
+                          "BKW": min(self.bk, 64)}  # fmt: skip
         # The backward's two per-chunk kernels: with tf32 products bwd_pairs at 4 warps and
         # both prefetching the next value block (2 stages; same shared memory, no more spill
         # offline): H100, fwd+bwd B4 T4096 5.12 -> 4.98 (4 warps) and 4.86 ms (2 stages), B1
@@ -197,7 +200,7 @@ class _ChunkRun:
             self.decay_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
             *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
             plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
-            **self.per_chunk,
+            **self.wy_launch,
         )
 
     def sequential_states(self, plan, k, h0, hT, cu_arg) -> None:

@@ -490,10 +490,7 @@ def inv_norms(x_in, BT: tl.constexpr, L2NORM: tl.constexpr):
     axis 1), as the models' l2norm has it (x rsqrt(sum x^2 + 1e-6)), or ones without L2NORM.
     The kernels fold these into per-token factors, so that q and k enter the products as the
     16-bit input tiles they are (one tensor-core product where fp32 q, k took a split one)."""
-    if L2NORM:
-        return _norm_from_squares(_square_sum(x_in))
-    else:
-        return tl.full([BT], 1.0, tl.float32)
+    return _inv_norm(_square_sum(x_in), BT, L2NORM)
 
 
 @triton.jit
@@ -525,10 +522,7 @@ def _block_factors(g_rows, beta_rows, mt, key_sq, L2NORM: tl.constexpr):
     1 / ||k_s|| (its column factor; ``key_sq`` the keys' squared norms), the floored gates."""
     gq = tl.maximum(tl.load(g_rows, mask=mt, other=0.0).to(tl.float32), -1.0e4)
     bc = tl.load(beta_rows, mask=mt, other=0.0).to(tl.float32)
-    if L2NORM:
-        rk = _norm_from_squares(key_sq)
-    else:
-        rk = tl.full([BLOCK], 1.0, tl.float32)
+    rk = _inv_norm(key_sq, BLOCK, L2NORM)
     return bc * rk, rk, gq
 
 
@@ -566,6 +560,15 @@ def _key_rows(k, rows, mt, c0, sk_t, K):
     ck = c0 + tl.arange(0, KEY_STEP)
     return tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & (ck < K)[None, :],
                    other=0.0)
+
+
+@triton.jit
+def _inv_norm(square_sum, N: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / ||x|| from the rows' summed squares, as ``inv_norms``; ones without L2NORM."""
+    if L2NORM:
+        return _norm_from_squares(square_sum)
+    else:
+        return tl.full([N], 1.0, tl.float32)
 
 
 @triton.jit
@@ -690,7 +693,7 @@ def wy_kernel(
     q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, kd_buf, qd_buf, decay_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
-    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BKW: tl.constexpr,
     BV: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
     LOCAL_DD: tl.constexpr,
 ):
@@ -703,39 +706,56 @@ def wy_kernel(
     three backward, where they formed W, U and P per block of value columns. Their per-token
     factors come from here too (no gate sums, key norms or exp in their loops): kd_buf [T, HV]
     = exp(g_{t+1} + ... + g_last) rk_t (a key's decay to the chunk's end), decay_buf [slot, HV]
-    = exp(G_last), and for the backward qd_buf [T, HV] = scale rq_t exp(G_t)."""
+    = exp(G_last), and for the backward qd_buf [T, HV] = scale rq_t exp(G_t). Keys (and
+    queries) go by in blocks of BKW columns, values in blocks of BV, so that no [BT, K] tile
+    or accumulator is held whole (holding them, it took 224 registers and 49 KB of shared
+    memory: two blocks an SM, L1 76 % busy; Nsight, H200, 2026-12-01)."""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
     if start >= end:
         return
-    rows = start + tl.arange(0, BT)
+    r = tl.arange(0, BT)
+    rows = start + r
     mt = rows < end
-    ck = tl.arange(0, BK)
-    mtk = mt[:, None] & (ck < K)[None, :]
     i_hk = i_h // GROUP
-    k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
-                   other=0.0)  # input dtype: see mm
+    k_rows = k + i_b * sk_b + i_hk * sk_h + rows * sk_t
+    q_rows = q + i_b * sq_b + i_hk * sq_h + rows * sq_t
     gq = tl.load(g + i_b * sg_b + i_h * sg_h + rows * sg_t, mask=mt, other=0.0).to(tl.float32)
     gq = tl.maximum(gq, -1.0e4)  # exp(-1e4) is 0 to fp32; -inf would give 0 * inf below
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-    r = tl.arange(0, BT)
-    rk = inv_norms(k_in, BT, L2NORM)
     out_rows = (i_b * T + rows) * HV + i_h
-    Tinv = tl.load(t_buf + out_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
-    tl.store(gc_buf + out_rows, gq, mask=mt)
+    k_sq = tl.zeros([BT], dtype=tl.float32)
+    q_sq = tl.zeros([BT], dtype=tl.float32)
+    QK = tl.zeros([BT, BT], dtype=tl.float32)
+    if L2NORM or LOCAL_DD:  # the norms' sums (and Q K^T) over the key columns
+        for c0 in range(0, K, BKW):
+            ck = c0 + tl.arange(0, BKW)
+            mtk = mt[:, None] & (ck < K)[None, :]
+            k_in = tl.load(k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)  # (see mm)
+            k_sq += _square_sum(k_in)
+            if LOCAL_DD:
+                q_in = tl.load(q_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
+                q_sq += _square_sum(q_in)
+                QK += mm(q_in, tl.trans(k_in), DOT)
+    rk = _inv_norm(k_sq, BT, L2NORM)
     gc, total = gate_sums(gq)
+    tl.store(gc_buf + out_rows, gq, mask=mt)
     tl.store(kd_buf + out_rows, tl.where(mt, tl.exp(_tail(gq, r)), 0.0) * rk, mask=mt)
     slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
     tl.store(decay_buf + slot * HV + i_h, tl.exp(total))
-    Wc = mm(Tinv * (bc * rk * tl.exp(gc))[None, :], k_in, DOT)  # K stays an input tile
-    if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
-        Wc = to_bf16(Wc)
-    tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
+    Tinv = tl.load(t_buf + out_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
+    Tf = Tinv * (bc * rk * tl.exp(gc))[None, :]
+    for c0 in range(0, K, BKW):
+        ck = c0 + tl.arange(0, BKW)
+        mtk = mt[:, None] & (ck < K)[None, :]
+        k_in = tl.load(k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
+        Wc = mm(Tf, k_in, DOT)  # K stays an input tile
+        if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
+            Wc = to_bf16(Wc)
+        tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
     Tb = Tinv * bc[None, :]
     if LOCAL_DD:
-        q_in = tl.load(q + i_b * sq_b + i_hk * sq_h + rows[:, None] * sq_t + ck[None, :],
-                       mask=mtk, other=0.0)
-        P = mm(q_in, tl.trans(k_in), DOT) * (scale * _decays(gq, r, False))
-        rq = inv_norms(q_in, BT, L2NORM)
+        rq = _inv_norm(q_sq, BT, L2NORM)
+        P = QK * (scale * _decays(gq, r, False))
         Pt = tl.trans(P * (rq[:, None] * rk[None, :]))
         tl.store(qd_buf + out_rows, scale * rq * tl.exp(gc), mask=mt)
     for v0 in range(0, V, BV):
