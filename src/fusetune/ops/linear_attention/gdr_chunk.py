@@ -500,9 +500,13 @@ def _square_sum(x):
 
 
 @triton.jit
-def _norm_from_squares(square_sum):
-    """1 / ||x|| from a row's summed squares, as the models' l2norm (rsqrt(sum x^2 + 1e-6))."""
-    return tl.div_rn(1.0, tl.sqrt_rn(square_sum + 1e-6))
+def _inv_norm(square_sum, N: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / ||x|| from the rows' summed squares, as the models' l2norm (rsqrt(sum x^2 + 1e-6));
+    ones without L2NORM."""
+    if L2NORM:
+        return tl.div_rn(1.0, tl.sqrt_rn(square_sum + 1e-6))
+    else:
+        return tl.full([N], 1.0, tl.float32)
 
 
 @triton.jit
@@ -560,15 +564,6 @@ def _key_rows(k, rows, mt, c0, sk_t, K):
     ck = c0 + tl.arange(0, KEY_STEP)
     return tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & (ck < K)[None, :],
                    other=0.0)
-
-
-@triton.jit
-def _inv_norm(square_sum, N: tl.constexpr, L2NORM: tl.constexpr):
-    """1 / ||x|| from the rows' summed squares, as ``inv_norms``; ones without L2NORM."""
-    if L2NORM:
-        return _norm_from_squares(square_sum)
-    else:
-        return tl.full([N], 1.0, tl.float32)
 
 
 @triton.jit
