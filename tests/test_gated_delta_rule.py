@@ -317,10 +317,13 @@ def _tf32_halves_kernel(x, hi, lo, N: tl.constexpr):
 
 
 @triton.jit
-def _mm_kernel(a, b, c, DOT: tl.constexpr, N: tl.constexpr):
+def _mm_kernel(a, b, c, DOT: tl.constexpr, N: tl.constexpr, PAIR: tl.constexpr = False):
     r = tl.arange(0, N)
     tile = r[:, None] * N + r[None, :]
-    tl.store(c + tile, gdr_chunk.mm(tl.load(a + tile), tl.load(b + tile), DOT))
+    if PAIR:
+        tl.store(c + tile, gdr_chunk.mm_pair(tl.load(a + tile), tl.load(b + tile), DOT))
+    else:
+        tl.store(c + tile, gdr_chunk.mm(tl.load(a + tile), tl.load(b + tile), DOT))
 
 
 def test_tf32_split():
@@ -400,6 +403,27 @@ def test_tf32_products():
     assert (
         (exact.cpu().double() - want).abs() <= 2.0**-20 * (a16.double().abs() @ b16.double().abs())
     ).all()
+
+
+def test_bf16_pair_products():
+    """gdr_chunk.mm_pair (wy_kernel's products) in tf32 mode: an fp32 tile beside a bf16 one is
+    a bf16 hi + lo pair, within 2^-16 of |a| |b| on either side and for a narrow B operand
+    (the transposed form); two fp32 tiles keep tf32's product (coarser than 2^-18 somewhere)."""
+    torch.manual_seed(3)
+    tf32 = gdr_chunk.DOT_MODES["tf32"]
+    for n in (32, 64):
+        a = torch.randn(n, n) * torch.exp2(torch.randint(-8, 8, (n, n)).float())
+        b16 = (torch.randn(n, n) * torch.exp2(torch.randint(-4, 4, (n, n)).float())).bfloat16()
+        for left, right in ((a, b16), (b16, a)):
+            c = torch.empty(n, n, device=DEVICE)
+            _mm_kernel[(1,)](left.to(DEVICE), right.to(DEVICE), c, DOT=tf32, N=n, PAIR=True)
+            want = left.double() @ right.double()
+            magnitude = left.double().abs() @ right.double().abs()
+            assert ((c.cpu().double() - want).abs() <= 2.0**-16 * magnitude).all()
+    c = torch.empty(n, n, device=DEVICE)
+    _mm_kernel[(1,)](a.to(DEVICE), a.T.contiguous().to(DEVICE), c, DOT=tf32, N=n, PAIR=True)
+    error = (c.cpu().double() - a.double() @ a.T.double()).abs()
+    assert (error > 2.0**-18 * (a.double().abs() @ a.T.double().abs())).any()
 
 
 def test_dot_mode_names(monkeypatch):

@@ -66,7 +66,9 @@
 #   bash tools/gpu_pending.sh gdr-ncu   1 GPU, no carry (~4 minutes, if the image has Nsight
 #     Compute; else one line says so): stall reasons, occupancy and speed of light of
 #     bwd_chunk, bwd_pairs, wy and output at B4 T4096 (issue 20: each is 1.5-3x its FLA
-#     counterpart, and the torch profile cannot say why).
+#     counterpart, and the torch profile cannot say why). SHAPE="1 32768" for the other shape,
+#     KERNELS="..." to choose; two launches of each (a forward and a backward one where a step
+#     launches it twice).
 #   bash tools/gpu_pending.sh gdr-accuracy 1 GPU, carry .peers (~2 minutes): tools/gdr_accuracy.py,
 #     bf16 o and gradients against float64 (B2 T2048 H4 D128) for each FUSETUNE_GDR_W /
 #     FUSETUNE_GDR_DOT setting the checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
@@ -270,21 +272,24 @@ if [ "${1:-}" = gdr-ncu ]; then  # why the per-chunk kernels are slow: Nsight Co
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
     2>/dev/null | head -1)
   if [ -z "$ncu" ]; then echo "no ncu in this image" | tee "$OUT/gdr-ncu.log"; exit 0; fi
-  step='import torch, fusetune
+  set -- ${SHAPE:-4 4096}  # (batch, sequence length)
+  step="import torch, fusetune
 from gdr_modes_bench import DIM, HEADS, make_run
 from fusetune.bench.cases_gated_delta_rule import _inputs
-leaves = _inputs(4, 4096, HEADS, DIM, torch.bfloat16, torch.device("cuda"))
-grad = torch.randn(4, 4096, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+leaves = _inputs($1, $2, HEADS, DIM, torch.bfloat16, torch.device('cuda'))
+grad = torch.randn($1, $2, HEADS, DIM, device='cuda', dtype=torch.bfloat16)
 run, _ = make_run(lambda: fusetune.gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)[0],
                   leaves, grad)
 for _ in range(3):
     run()
-torch.cuda.synchronize()'
-  for kernel in ${KERNELS:-bwd_chunk_kernel bwd_pairs_kernel wy_kernel output_kernel}; do  # B4
-    timeout "${KERNEL_S:-150}" "$ncu" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 \
+torch.cuda.synchronize()"
+  # (--launch-skip 2 --launch-count 2: a kernel launched twice a step, wy, inverse, states,
+  # shows its forward and backward launch of the second step; the others two steps' one)
+  for kernel in ${KERNELS:-bwd_chunk_kernel bwd_pairs_kernel wy_kernel output_kernel}; do
+    timeout "${KERNEL_S:-150}" "$ncu" --kernel-name "$kernel" --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats python3 -c "$step" 2>&1 \
-      | tee -a "$OUT/gdr-ncu.log"
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 -c "$step" 2>&1 | tee -a "$OUT/gdr-ncu-b$1-t$2.log"
   done
   echo "done in $SECONDS s"
   exit 0

@@ -409,6 +409,40 @@ def mm(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _bf16_pair_product(a, b):
+    """a @ b for an fp32 tile and a bf16 input tile: the fp32 one as the bf16 pair hi =
+    bf16(x), lo = bf16(x - hi) (|x - hi - lo| <= 2^-17 |x|), two bf16 tensor-core products
+    summed in fp32 (each exact there), the small one first."""
+    if a.dtype == tl.float32:
+        hi = to_bf16(a)
+        return _dot_inputs(to_bf16(a - hi.to(tl.float32)), b) + _dot_inputs(hi, b)
+    else:
+        hi = to_bf16(b)
+        return _dot_inputs(a, to_bf16(b - hi.to(tl.float32))) + _dot_inputs(a, hi)
+
+
+@triton.jit
+def mm_pair(a, b, DOT: tl.constexpr):
+    """``mm`` with tf32 mode's fp32 x bf16 products taken as a bf16 pair
+    (``_bf16_pair_product``): finer than tf32's truncation (2^-17 against 2^-10), and no
+    operand is widened, so the two staged tiles take half the shared memory of tf32's. Where
+    shared memory bounds the kernel (wy_kernel: Nsight, H200, L1 80 % busy) that is faster;
+    where registers do (bwd_chunk_kernel), the pair's second tile cost more than it saved
+    (2026-12-02: 2.35 -> 2.91 ms at B1 T32768), so only wy_kernel takes it (H200, fwd+bwd
+    B1 T32768 H16 D128 bf16 8.29 / 8.36 -> 8.10 / 8.16 ms, wy's two calls 1.15 -> 0.96 ms;
+    docs/bench/session-2026-12-02-twentyseventh). A narrow bf16 B operand is transposed, as in
+    ``mm`` (the H100 faults)."""
+    if DOT == 4 and (a.dtype == tl.float32) != (b.dtype == tl.float32) and (
+            a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16):
+        if b.shape[1] < 64:
+            return tl.trans(_bf16_pair_product(tl.trans(b), tl.trans(a)))
+        else:
+            return _bf16_pair_product(a, b)
+    else:
+        return mm(a, b, DOT)
+
+
+@triton.jit
 def mm_tf32(a, b, DOT: tl.constexpr):
     """``mm`` with bf16 mode's products at tf32 instead: the sequential kernels' products below
     level 2 (``mm_state``)."""
@@ -743,7 +777,7 @@ def wy_kernel(
         ck = c0 + tl.arange(0, BKW)
         mtk = mt[:, None] & (ck < K)[None, :]
         k_in = tl.load(k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
-        Wc = mm(Tf, k_in, DOT)  # K stays an input tile
+        Wc = mm_pair(Tf, k_in, DOT)  # K stays an input tile
         if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
             Wc = to_bf16(Wc)
         tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
@@ -759,11 +793,11 @@ def wy_kernel(
         out = out_rows[:, None] * V + cv[None, :]
         v_in = tl.load(v + i_b * sv_b + i_h * sv_h + rows[:, None] * sv_t + cv[None, :],
                        mask=mtv, other=0.0)
-        tl.store(u_buf + out, mm(Tb, v_in, DOT), mask=mtv)
+        tl.store(u_buf + out, mm_pair(Tb, v_in, DOT), mask=mtv)
         if LOCAL_DD:
             dO_in = tl.load(do + i_b * sd_b + i_h * sd_h + rows[:, None] * sd_t + cv[None, :],
                             mask=mtv, other=0.0)
-            tl.store(dd_buf + out, mm(Pt, dO_in, DOT), mask=mtv)
+            tl.store(dd_buf + out, mm_pair(Pt, dO_in, DOT), mask=mtv)
 
 
 @triton.jit
