@@ -196,7 +196,7 @@ def test_inverse_kernel_blocks(chunk, seq_len):
     chunks = -(-seq_len // chunk)
     t_buf = torch.full((batch, seq_len, heads, chunk), float("nan"), device=DEVICE)
     gdr_chunk.inverse_kernel[(chunks, batch * heads)](
-        k, g, beta, t_buf, t_buf, *k.stride()[:3], *g.stride(), *beta.stride(), seq_len, heads,
+        k, g, beta, t_buf, t_buf, *k.stride()[:3], *g.stride(), *beta.stride(), seq_len, heads, 0,
         GROUP=2, K=24, BT=chunk, VARLEN=False, DOT=gdr_chunk.DOT_MODES["split3"],
         L2NORM=True, num_warps=1,
     )  # fmt: skip
@@ -655,6 +655,47 @@ def test_backward_beside_equals_apart(monkeypatch):
         results[mode] = torch.autograd.grad(o, leaves, grad_out)
     for apart, beside in zip(results["apart"], results["beside"], strict=True):
         assert torch.equal(apart, beside)
+
+
+def test_forward_parts_modes(monkeypatch):
+    """FUSETUNE_GDR_FWD_PARTS: auto splits in two where the walk's programs leave half the SMs
+    idle (the interpreter counts 4); a number is taken as asked, in whole multiples of 16 chunks on
+    a GPU (fewer parts where the chunks are too few); other values are refused by name."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    parts = gdr_chunk.forward_parts
+    monkeypatch.setenv("FUSETUNE_GDR_FWD_PARTS", "auto")
+    assert parts(cpu, 2, 8) == [(0, 4), (4, 8)]
+    assert parts(cpu, 3, 8) == [(0, 8)]
+    monkeypatch.setenv("FUSETUNE_GDR_FWD_PARTS", "4")
+    assert parts(cuda, 64, 512) == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    assert parts(cuda, 64, 40) == [(0, 32), (32, 40)]
+    assert parts(cuda, 64, 15) == [(0, 15)]
+    assert parts(cpu, 64, 5) == [(0, 2), (2, 4), (4, 5)]
+    monkeypatch.setenv("FUSETUNE_GDR_FWD_PARTS", "0")
+    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_FWD_PARTS must be .*got '0'"):
+        parts(cpu, 2, 8)
+
+
+def test_forward_parts_equal_one_part(monkeypatch):
+    """The forward walked in parts (on a side stream on the GPU) gives bit for bit what one
+    part gives: the state crosses the parts in fp32 (bf16, l2norm, grouped heads, an initial
+    and a final state, packed sequences of which one ends inside the first part)."""
+    torch.manual_seed(0)
+    length = 4100 if ON_GPU else 40  # (3 parts: 65 chunks of 64, or 3 of 16)
+    q, k = (torch.randn(1, length, 1, 32, device=DEVICE, dtype=torch.bfloat16) for _ in "qk")
+    v = torch.randn(1, length, 2, 32, device=DEVICE, dtype=torch.bfloat16)
+    g = -F.softplus(torch.randn(1, length, 2, device=DEVICE))
+    beta = torch.rand(1, length, 2, device=DEVICE, dtype=torch.bfloat16)
+    h0 = torch.randn(3, 2, 32, 32, device=DEVICE)
+    cu = torch.tensor([0, length // 5, length // 5 + 1, length], device=DEVICE)
+    results = {}
+    for count in ("1", "3"):
+        monkeypatch.setenv("FUSETUNE_GDR_FWD_PARTS", count)
+        results[count] = fusetune.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                   output_final_state=True, cu_seqlens=cu,
+                                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
+    for one, parts in zip(results["1"], results["3"], strict=True):
+        assert torch.equal(one, parts)
 
 
 SPLIT_CASES = {

@@ -43,7 +43,7 @@ from fusetune.ops.linear_attention import gdr_chunk  # noqa: E402
 FLOATS = ("scale",)
 INPUTS = ("q", "k", "v", "beta", "do", "o", "dv")  # pointers in the input dtype
 DOTS = gdr_chunk.DOT_MODES
-INTS = ("T", "HV", "K", "V")  # every other non-constexpr argument is a pointer
+INTS = ("T", "HV", "K", "V", "C0", "C1")  # every other non-constexpr argument is a pointer
 ARCH = int(os.environ.get("GDR_ARCH", "90"))  # GDR_ARCH=80: an A100 (its limit 166912 bytes)
 # Warps of states / dstates: the launcher's by default (states 4, 8 where its programs are
 # fewer than the SMs; dstates 8); GDR_SEQ_WARPS=N sets both.

@@ -179,38 +179,48 @@ class _ChunkRun:
         self.states_launch = dict(self.wide if few else self.common, num_stages=stages)
         self.dstates_launch = dict(self.wide, num_stages=stages)
 
-    def states(self, plan, k, v, g, beta, h0, hT, cu_arg) -> None:
-        """The forward's: per chunk T = (I + A)^-1, g, W and U; then every chunk's start state
-        and writes D (and hT)."""
-        self.wy(plan, k, v, g, beta, cu_arg)
-        self.sequential_states(plan, k, h0, hT, cu_arg)
-
-    def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0) -> None:
+    def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0,
+           chunks=None) -> None:
         """Per chunk T = (I + A)^-1, g, W, U and the sequential kernels' factors (and with
-        ``do``, dD's local part P^T dO into ``dd_buf``)."""
+        ``do``, dD's local part P^T dO into ``dd_buf``), over the chunks [c0, c1) (all)."""
         local = do is not None
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
-        gdr_chunk.inverse_kernel[self.chunk_grid](
+        c0, c1 = chunks or (0, self.max_chunks)
+        grid = (c1 - c0, self.chunk_grid[1])
+        gdr_chunk.inverse_kernel[grid](
             k, g, beta, self.t_buf, cu_arg, *bth_strides(k), *g.stride(), *beta.stride(),
-            plan.seq_len, plan.value_heads, **self.inverse_launch,
+            plan.seq_len, plan.value_heads, c0, **self.inverse_launch,
         )
-        gdr_chunk.wy_kernel[self.chunk_grid](
+        gdr_chunk.wy_kernel[grid](
             q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.u_buf,
             dd_buf if local else self.u_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
             self.decay_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
             *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
-            plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.wy_block, LOCAL_DD=local,
-            **self.wy_launch,
+            plan.seq_len, plan.value_heads, c0, V=plan.value_dim, BV=self.wy_block,
+            LOCAL_DD=local, **self.wy_launch,
         )
 
-    def sequential_states(self, plan, k, h0, hT, cu_arg) -> None:
-        """Every chunk's start state into h_buf and its writes D into d_buf (and hT)."""
+    def sequential_states(self, plan, k, h0, hT, cu_arg, chunks=None) -> None:
+        """The start state of every chunk in [c0, c1) (all) into h_buf and its writes D into
+        d_buf, from h0 (zeros if None); the state after them into hT (if given)."""
+        c0, c1 = chunks or (0, self.max_chunks)
         gdr_chunk.states_kernel[self.column_grid](
             k, self.kd_buf, self.decay_buf, self.w_buf, self.u_buf, self.d_buf, self.h_buf,
             self.u_buf if h0 is None else h0, self.u_buf if hT is None else hT, cu_arg,
-            *bth_strides(k), plan.seq_len, plan.value_heads, V=plan.value_dim, BV=self.bv,
-            HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
+            *bth_strides(k), plan.seq_len, plan.value_heads, c0, c1, V=plan.value_dim,
+            BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
             **self.states_launch,
+        )
+
+    def output(self, plan, q, k, o, scale, cu_arg, chunks) -> None:
+        """O over the chunks [c0, c1)."""
+        c0, c1 = chunks
+        out_block = gdr_chunk.output_block(self.bva)
+        grid = (c1 - c0, self.chunk_grid[1], _utils.cdiv(plan.value_dim, out_block))
+        gdr_chunk.output_kernel[grid](
+            q, k, self.gc_buf, self.d_buf, self.h_buf, o, cu_arg, *bth_strides(q),
+            *bth_strides(k), *bth_strides(o), scale, plan.seq_len, plan.value_heads, c0,
+            V=plan.value_dim, BVA=out_block, **self.per_chunk,
         )
 
 
@@ -224,13 +234,27 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
         return o, hT
     run = _ChunkRun(plan, v, l2norm, backward=False)
     cu_arg = o if cu is None else cu
-    run.states(plan, k, v, g, beta, h0, hT if output_final_state else None, cu_arg)
-    out_block = gdr_chunk.output_block(run.bva)
-    gdr_chunk.output_kernel[(*run.chunk_grid, _utils.cdiv(plan.value_dim, out_block))](
-        q, k, run.gc_buf, run.d_buf, run.h_buf, o, cu_arg, *bth_strides(q), *bth_strides(k),
-        *bth_strides(o), scale, plan.seq_len, plan.value_heads, V=plan.value_dim,
-        BVA=out_block, **run.per_chunk,
-    )
+    parts = gdr_chunk.forward_parts(v.device, math.prod(run.column_grid), run.max_chunks)
+    # the state from one part to the next (fp32, as the walk carries it)
+    mid = _utils.empty(plan.state_shape if len(parts) > 1 else (0,), torch.float32, v.device)
+    side = gdr_chunk.side_stream(v.device) if len(parts) > 1 and v.is_cuda else None
+    walked = []  # each part's walk, done (events on the side stream)
+    for p, chunks in enumerate(parts):
+        run.wy(plan, k, v, g, beta, cu_arg, chunks=chunks)
+        start = h0 if p == 0 else mid
+        end = mid if p < len(parts) - 1 else hT if output_final_state else None
+        if side is None:
+            run.sequential_states(plan, k, start, end, cu_arg, chunks)
+            continue
+        side.wait_stream(torch.cuda.current_stream(v.device))  # (this part's wy)
+        with torch.cuda.stream(side):
+            run.sequential_states(plan, k, start, end, cu_arg, chunks)
+            walked.append(torch.cuda.Event())
+            walked[-1].record(side)
+    for p, chunks in enumerate(parts):
+        if side is not None:  # (the last wait also keeps every buffer alive past the walks)
+            torch.cuda.current_stream(v.device).wait_event(walked[p])
+        run.output(plan, q, k, o, scale, cu_arg, chunks)
     return o, hT
 
 

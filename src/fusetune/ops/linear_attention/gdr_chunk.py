@@ -12,7 +12,8 @@ blocks at one warp), ``wy_kernel`` (per chunk: W and U from T, kept, and the per
 the sequential kernels scale by, so that their chunk steps hold only the state's products),
 ``states_kernel`` (per sequence, value head and block of value columns, sequential over
 chunks: every chunk's S0 and D from W and U, the final state), ``output_kernel`` (per chunk and
-block of value columns: O). Backward: below.
+block of value columns: O); where the walk leaves half the SMs idle, in two parts of the chunks,
+each part's walk beside the next part's inverse and wy (``forward_parts``). Backward: below.
 The sequential kernels carry the state in fp32; the per-chunk copies of S0 and dS they store
 for the parallel kernels are bf16 for bf16 inputs (``state_dtype``), fp32 otherwise. For bf16
 inputs W is stored in bf16 too and the sequential kernels' products are bf16 ones, each fp32
@@ -31,6 +32,7 @@ backward takes dq, dk back through the normalisation at the end (``_l2norm_grad`
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -220,6 +222,40 @@ def sequential_bf16(dtype: torch.dtype, dot: int) -> int:
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The CUDA stream the sequential kernels run on beside the others (one a device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def forward_parts(device: torch.device, programs: int, chunks: int) -> list[tuple[int, int]]:
+    """The chunk ranges [c0, c1) the forward goes by, in order. Where states_kernel's
+    ``programs`` leave half the SMs or more idle (B1 T32768 H16 V128: 64 on an H200's 132), its
+    walk over part p runs on ``side_stream`` beside inverse and wy over part p + 1 and the
+    output over part p - 1; else one part, the forward as before. ``FUSETUNE_GDR_FWD_PARTS``
+    (read at every call): ``auto`` (2 parts there) or a number. On the GPU a part is a
+    multiple of 16 chunks, so that the kernels' chunk offsets keep one specialisation.
+    H200, B1 T32768 H16 D128 bf16, fwd (fwd+bwd) ms in one run: 1 part 2.61 (8.35), 2 parts
+    2.18 (7.88), 4 parts 2.34 (7.95), 8 parts 3.53 (9.79); in another 1 part 2.56 (8.45), 2
+    parts 2.31 (8.00), 4 parts 2.01 (7.92) (docs/bench/session-2026-12-02-twentyseventh). Many
+    parts lose: each part's walk starts after its wy, whose blocks by then hold the SMs the
+    walk's blocks wait for."""
+    mode = os.environ.get("FUSETUNE_GDR_FWD_PARTS", "auto")
+    if mode == "auto":
+        wanted = 2 if 2 * programs <= num_programs_in_flight(device) else 1
+    elif mode.isdigit() and int(mode) >= 1:
+        wanted = int(mode)
+    else:
+        raise ValueError(
+            f"FUSETUNE_GDR_FWD_PARTS must be 'auto' or a positive number, got {mode!r}"
+        )
+    unit = 16 if device.type == "cuda" else 1
+    step = unit * -(-chunks // (unit * max(1, min(wanted, chunks // unit))))
+    return list(itertools.pairwise([*range(0, chunks, step), chunks]))
+
+
 def backward_side_stream(device: torch.device, programs: int) -> torch.cuda.Stream | None:
     """The CUDA stream the backward's states recompute runs on beside dstates_kernel, or None
     (one stream, one after the other): ``FUSETUNE_GDR_BWD_SEQ`` (read at every call) ``beside``
@@ -235,10 +271,7 @@ def backward_side_stream(device: torch.device, programs: int) -> torch.cuda.Stre
         return None
     if mode == "auto" and programs > num_programs_in_flight(device):
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    return side_stream(device)
 
 
 def w_dtype(level: int) -> torch.dtype:
@@ -462,9 +495,10 @@ def mm_exact(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start)."""
-    i_c = tl.program_id(0).to(tl.int64)
+def _chunk_program(cu, T, HV, BT: tl.constexpr, VARLEN: tl.constexpr, C0):
+    """(chunk index, sequence, value head, batch row, chunk start, chunk end, sequence start)
+    of a program; program axis 0 counts chunks from chunk C0 (the forward's parts)."""
+    i_c = tl.program_id(0).to(tl.int64) + C0
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
@@ -609,8 +643,8 @@ def _store_block(t_buf, buf_rows, mt, j: tl.constexpr, X, BT: tl.constexpr):
 @triton.jit
 def inverse_kernel(
     k, g, beta, t_buf, cu, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
-    T, HV, GROUP: tl.constexpr, K, BT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr,
+    T, HV, C0, GROUP: tl.constexpr, K, BT: tl.constexpr, VARLEN: tl.constexpr,
+    DOT: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """T = (I + A)^-1 per chunk [T, HV, BT] (fp32), A_ts = beta_t Gamma_ts (k_t . k_s) on t > s,
     in blocks of 16 tokens (NB = BT / 16 of them), as FLA's kkt_solve: k k^T's NB (NB + 1) / 2
@@ -621,7 +655,7 @@ def inverse_kernel(
     inverse took 3x as long: tools/gdr_inverse_bench.py). The block products are 16 x 16 IEEE
     ones (no tensor cores: none of Triton 3.6's 16-wide Hopper faults, see min_block), about
     1e4 times closer to float64 than wy_kernel's former tf32 doubling (1.8e-8 vs 2.2e-4)."""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, C0)
     if start >= end:
         return
     NB: tl.constexpr = BT // BLOCK
@@ -722,7 +756,7 @@ def wy_kernel(
     q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, kd_buf, qd_buf, decay_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
-    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BKW: tl.constexpr,
+    scale, T, HV, C0, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BKW: tl.constexpr,
     BV: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
     LOCAL_DD: tl.constexpr,
 ):
@@ -739,7 +773,7 @@ def wy_kernel(
     queries) go by in blocks of BKW columns, values in blocks of BV, so that no [BT, K] tile
     or accumulator is held whole (holding them, it took 224 registers and 49 KB of shared
     memory: two blocks an SM, L1 76 % busy; Nsight, H200, 2026-12-01)."""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, C0)
     if start >= end:
         return
     r = tl.arange(0, BT)
@@ -803,7 +837,8 @@ def wy_kernel(
 @triton.jit
 def states_kernel(
     k, kd_buf, decay_buf, w_buf, u_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
-    T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    T, HV, C0, C1, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, SEQ_BF16: tl.constexpr,
 ):
@@ -811,7 +846,9 @@ def states_kernel(
     each chunk's start state S0 [slot, HV, K, V] and turn wy_kernel's U into the writes D = U
     - W S0 [T, HV, V]: over U in d_buf (u_buf unread), or at level 3 (FUSETUNE_GDR_W=d) into a
     bf16 d_buf beside U in u_buf. SEQ_BF16: W in bf16 from 1, bf16 products with W from 1, all
-    from 2 (``sequential_bf16``); the state takes D in fp32 at every level."""
+    from 2 (``sequential_bf16``); the state takes D in fp32 at every level. Only chunks C0 to
+    C1 - 1 of each sequence (the forward's parts): the state starts from h0 (HAS_H0) and ends
+    in hT (STORE_HT), fp32 [N, HV, K, V], which carry it from one part to the next."""
     i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
@@ -826,7 +863,7 @@ def states_kernel(
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + tile, mask=mkv, other=0.0).to(tl.float32)
     first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
-    for i_c in range(0, tl.cdiv(eos - bos, BT)):
+    for i_c in range(C0, tl.minimum(tl.cdiv(eos - bos, BT), C1)):
         start = bos + i_c * BT
         rows = start + r
         mt = rows < eos
@@ -858,12 +895,12 @@ def states_kernel(
 def output_kernel(
     q, k, gc_buf, d_buf, h_buf, o, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, so_b, so_t, so_h,
-    scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
+    scale, T, HV, C0, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
     BVA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """O = scale [(exp(G) Q) S0 + ((Q K^T) * Gamma) D] for one chunk, value head and block of
     BVA value columns (program axis 2)."""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, C0)
     if start >= end:
         return
     rows = start + tl.arange(0, BT)
@@ -976,7 +1013,7 @@ def bwd_pairs_kernel(
     (the gradient of Q K^T's decayed, scaled products) into dqk_buf, dKK + dKK^T (that of K K^T)
     over T in t_buf, dbeta's and dg's pair parts into dbeta_buf and dg_buf. (One kernel with
     the second half held 255 registers and spilled 1304 B a thread, one block an SM.)"""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, 0)
     if start >= end:
         return
     r = tl.arange(0, BT)
@@ -1083,7 +1120,7 @@ def bwd_chunk_kernel(
     their dtype without groups) whole, and dbeta, dg completed, from S0, dS (the gradient
     after the chunk) and bwd_pairs_kernel's outputs. The value columns go by in blocks of
     BVA, each adding into three [BT, K] sums (dO S0^T, D dS^T, (T^T dD) S0^T) and <dS, S0>."""
-    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN)
+    i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, 0)
     if start >= end:
         return
     r = tl.arange(0, BT)
