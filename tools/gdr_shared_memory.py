@@ -25,6 +25,7 @@ Takes minutes on a CPU (the IEEE-product kernels compile slowly). H100 limit: 23
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -116,9 +117,11 @@ def resources(compiled) -> str:
         f"{name} {sum(1 for line in code if re.search(pattern, line))}"
         for name, pattern in (("BAR", r"\bBAR\."), ("SHFL", r"\bSHFL\."), ("MMA", r"MMA"))
     )
+    digest = hashlib.sha1("\n".join(code).encode()).hexdigest()[:12]  # (same code, same hash)
     return (
         f"{compiled.metadata.shared} bytes shared, {regs.group(1) if regs else '?'} registers, "
-        f"stack {stack.group(1) if stack else '?'}; SASS {len(code)} instructions, {counts}"
+        f"stack {stack.group(1) if stack else '?'}; SASS {len(code)} instructions, {counts}, "
+        f"sha1 {digest}"
     )
 
 

@@ -628,9 +628,11 @@ def _ieee(a, b):
 
 
 @triton.jit
-def _key_rows(k, rows, mt, c0, sk_t, K):
-    ck = c0 + tl.arange(0, KEY_STEP)
-    return tl.load(k + rows[:, None] * sk_t + ck[None, :], mask=mt[:, None] & (ck < K)[None, :],
+def _row_block(row_ptrs, mt, c0, WIDTH: tl.constexpr, K):
+    """Columns c0 to c0 + WIDTH - 1 (of K) of the rows at ``row_ptrs`` (rows masked by mt), in
+    their own dtype: a key or query block."""
+    ck = c0 + tl.arange(0, WIDTH)
+    return tl.load(row_ptrs[:, None] + ck[None, :], mask=mt[:, None] & (ck < K)[None, :],
                    other=0.0)
 
 
@@ -672,17 +674,17 @@ def inverse_kernel(
     n0 = tl.sum(zero, 0)
     n1, n2, n3 = n0, n0, n0
     for c0 in range(0, K, KEY_STEP):  # the ten blocks of k k^T; the keys' squared norms
-        k0 = _key_rows(k, rows0, mt0, c0, sk_t, K)
+        k0 = _row_block(k + rows0 * sk_t, mt0, c0, KEY_STEP, K)
         KK00 += mm(k0, tl.trans(k0), DOT)
         n0 += _square_sum(k0)
         if NB > 1:
-            k1 = _key_rows(k, rows1, mt1, c0, sk_t, K)
+            k1 = _row_block(k + rows1 * sk_t, mt1, c0, KEY_STEP, K)
             KK10 += mm(k1, tl.trans(k0), DOT)
             KK11 += mm(k1, tl.trans(k1), DOT)
             n1 += _square_sum(k1)
         if NB > 2:
-            k2 = _key_rows(k, rows2, mt2, c0, sk_t, K)
-            k3 = _key_rows(k, rows3, mt3, c0, sk_t, K)
+            k2 = _row_block(k + rows2 * sk_t, mt2, c0, KEY_STEP, K)
+            k3 = _row_block(k + rows3 * sk_t, mt3, c0, KEY_STEP, K)
             KK20 += mm(k2, tl.trans(k0), DOT)
             KK21 += mm(k2, tl.trans(k1), DOT)
             KK22 += mm(k2, tl.trans(k2), DOT)
@@ -791,12 +793,10 @@ def wy_kernel(
     QK = tl.zeros([BT, BT], dtype=tl.float32)
     if L2NORM or LOCAL_DD:  # the norms' sums (and Q K^T) over the key columns
         for c0 in range(0, K, BKW):
-            ck = c0 + tl.arange(0, BKW)
-            mtk = mt[:, None] & (ck < K)[None, :]
-            k_in = tl.load(k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)  # (see mm)
+            k_in = _row_block(k_rows, mt, c0, BKW, K)  # (input dtype: see mm)
             k_sq += _square_sum(k_in)
             if LOCAL_DD:
-                q_in = tl.load(q_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
+                q_in = _row_block(q_rows, mt, c0, BKW, K)
                 q_sq += _square_sum(q_in)
                 QK += mm(q_in, tl.trans(k_in), DOT)
     rk = _inv_norm(k_sq, BT, L2NORM)
@@ -810,8 +810,7 @@ def wy_kernel(
     for c0 in range(0, K, BKW):
         ck = c0 + tl.arange(0, BKW)
         mtk = mt[:, None] & (ck < K)[None, :]
-        k_in = tl.load(k_rows[:, None] + ck[None, :], mask=mtk, other=0.0)
-        Wc = mm_pair(Tf, k_in, DOT)  # K stays an input tile
+        Wc = mm_pair(Tf, _row_block(k_rows, mt, c0, BKW, K), DOT)  # K stays an input tile
         if w_buf.dtype.element_ty == tl.bfloat16:  # (sequential_bf16)
             Wc = to_bf16(Wc)
         tl.store(w_buf + out_rows[:, None] * K + ck[None, :], Wc, mask=mtk)
