@@ -67,8 +67,8 @@
 #     Compute; else one line says so): stall reasons, occupancy and speed of light of
 #     bwd_chunk, bwd_pairs, wy and output at B4 T4096 (issue 20: each is 1.5-3x its FLA
 #     counterpart, and the torch profile cannot say why). SHAPE="1 32768" for the other shape,
-#     KERNELS="..." to choose; two launches of each (a forward and a backward one where a step
-#     launches it twice).
+#     KERNELS="..." to choose; a forward and a backward launch of the kernels a step launches
+#     twice (wy, inverse, states), one launch of the others.
 #   bash tools/gpu_pending.sh gdr-accuracy 1 GPU, carry .peers (~2 minutes): tools/gdr_accuracy.py,
 #     bf16 o and gradients against float64 (B2 T2048 H4 D128) for each FUSETUNE_GDR_W /
 #     FUSETUNE_GDR_DOT setting the checkout has and for FLA (issue 20: FLA's speed against its bf16 buffers; its backward
@@ -283,8 +283,9 @@ run, _ = make_run(lambda: fusetune.gated_delta_rule(*leaves, use_qk_l2norm_in_ke
 for _ in range(3):
     run()
 torch.cuda.synchronize()"
-  # (--launch-skip 2 --launch-count 2: a kernel launched twice a step, wy, inverse, states,
-  # shows its forward and backward launch of the second step; the others two steps' one)
+  # (--launch-skip 2 --launch-count 2 of the step's 3 runs: a kernel launched twice a run,
+  # wy, inverse, states, shows the second run's forward and backward launch; the others
+  # their third run's one)
   for kernel in ${KERNELS:-bwd_chunk_kernel bwd_pairs_kernel wy_kernel output_kernel}; do
     timeout "${KERNEL_S:-150}" "$ncu" --kernel-name "$kernel" --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats \

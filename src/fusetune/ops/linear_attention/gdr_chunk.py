@@ -38,7 +38,7 @@ import os
 import torch
 
 from fusetune._triton import INTERPRET, tl, triton
-from fusetune._utils import next_power_of_2, num_programs_in_flight
+from fusetune._utils import cdiv, next_power_of_2, num_programs_in_flight
 from fusetune.ops.linear_attention._common import chunk_slot, gate_sums, sequence_bounds
 
 UPCAST_BF16 = tl.constexpr(INTERPRET)  # the interpreter's bf16 tl.dot is wrong
@@ -252,7 +252,8 @@ def forward_parts(device: torch.device, programs: int, chunks: int) -> list[tupl
             f"FUSETUNE_GDR_FWD_PARTS must be 'auto' or a positive number, got {mode!r}"
         )
     unit = 16 if device.type == "cuda" else 1
-    step = unit * -(-chunks // (unit * max(1, min(wanted, chunks // unit))))
+    count = max(1, min(wanted, chunks // unit))  # (fewer where the chunks are too few)
+    step = unit * cdiv(chunks, unit * count)
     return list(itertools.pairwise([*range(0, chunks, step), chunks]))
 
 
