@@ -379,9 +379,10 @@ def gated_delta_rule_forward():
 def gated_delta_rule_backward():
     cases = []
     for *args, final, chunked, l2norm in gated_delta_rule_forward():
-        o, h_t = OPS.gated_delta_rule_forward(*args, final, chunked, l2norm)
+        o, h_t, t_kept = OPS.gated_delta_rule_forward(*args, final, chunked, l2norm)
         dh_t = rand(*h_t.shape) if final else None
-        cases.append((rand(*o.shape, dtype=o.dtype), dh_t, *args, final, chunked, l2norm))
+        do = rand(*o.shape, dtype=o.dtype)
+        cases.append((do, dh_t, *args[:5], t_kept, *args[5:], final, chunked, l2norm))
     return cases
 
 

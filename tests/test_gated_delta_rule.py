@@ -698,6 +698,43 @@ def test_forward_parts_equal_one_part(monkeypatch):
         assert torch.equal(one, parts)
 
 
+class _CountedLaunches:
+    """A kernel whose launches (``kernel[grid](...)``) are counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def test_backward_reads_the_forwards_t(monkeypatch):
+    """The backward takes T = (I + A)^-1 as the forward left it (no second inverse_kernel
+    launch) and leaves it as it found it: a second backward through the same graph gives bit for
+    bit the first's gradients (packed sequences, l2norm, an initial state)."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 40, 1, 32, device=DEVICE, dtype=torch.bfloat16) for _ in "qk")
+    v = torch.randn(1, 40, 2, 32, device=DEVICE, dtype=torch.bfloat16)
+    g = -F.softplus(torch.randn(1, 40, 2, device=DEVICE))
+    beta = torch.rand(1, 40, 2, device=DEVICE, dtype=torch.bfloat16)
+    h0 = torch.randn(2, 2, 32, 32, device=DEVICE)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    inverse = _CountedLaunches(gdr_chunk.inverse_kernel)
+    monkeypatch.setattr(gdr_chunk, "inverse_kernel", inverse)
+    monkeypatch.setenv("FUSETUNE_GDR_FWD_PARTS", "1")
+    o, _ = fusetune.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                     cu_seqlens=torch.tensor([0, 17, 40], device=DEVICE),
+                                     use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert inverse.count == 1
+    grad_out = torch.randn_like(o)
+    first = torch.autograd.grad(o, leaves, grad_out, retain_graph=True)
+    second = torch.autograd.grad(o, leaves, grad_out)
+    assert inverse.count == 1
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 SPLIT_CASES = {
     # name: (make_inputs arguments, dtype, options)
     "matrix-fp32": (dict(batch=1, seq_len=19), torch.float32, {}),

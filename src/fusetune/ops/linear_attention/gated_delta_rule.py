@@ -79,29 +79,35 @@ def _forward_impl(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, c
                                 l2norm)
     o = _utils.empty(v.shape, v.dtype, v.device)
     hT = _utils.empty(plan.state_shape if output_final_state else (0,), torch.float32, v.device)
+    t_kept = _utils.empty((0,), torch.float32, v.device)  # (the chunked backward's T)
     if plan.n_seq * plan.value_heads == 0:
-        return o, hT
+        return o, hT, t_kept
     gdr_recurrent.fwd_kernel[plan.grid](
         q, k, v, g, beta, o, o if h0 is None else h0, hT, o if cu is None else cu,
         *bth_strides(q), *bth_strides(k), *bth_strides(v), *g.stride(), *beta.stride(),
         *bth_strides(o), scale, plan.seq_len, plan.value_heads,
         HAS_H0=h0 is not None, STORE_HT=output_final_state, **plan.consts(),
     )
-    return o, hT
+    return o, hT, t_kept
 
 
 class _ChunkRun:
     """Buffers and launch constants of the chunked kernels for one call."""
 
-    def __init__(self, plan: _Plan, v: torch.Tensor, l2norm: bool, backward: bool) -> None:
+    def __init__(self, plan: _Plan, v: torch.Tensor, l2norm: bool, backward: bool,
+                 t_kept: torch.Tensor | None = None) -> None:
         device, f32 = v.device, torch.float32
         self.bt = gdr_chunk.chunk_size(_utils.INTERPRET, plan.key_dim)
         self.max_chunks = _utils.cdiv(plan.seq_len, self.bt)
         slots = slot_count(self.max_chunks, plan.n_seq, plan.varlen)
         rows = (plan.batch, plan.seq_len, plan.value_heads)
         # (I + A)^-1 per chunk (inverse_kernel's), read by wy_kernel and the backward's
-        # bwd_pairs_kernel, which leaves dKK + dKK^T over it for bwd_chunk_kernel
-        self.t_buf = _utils.empty((*rows, self.bt), f32, device)
+        # bwd_pairs_kernel. The forward's is kept for the backward (t_kept: no second
+        # inverse_kernel call, 0.29 ms at B1 T32768 H16 on an H200). It costs 4 KiB a token
+        # and layer with 16 value heads; FLA keeps A in bf16 and l2-normalised copies of q and
+        # k, 10 KiB at K 128.
+        self.t_buf = _utils.empty((*rows, self.bt), f32, device) if t_kept is None else t_kept
+        self.invert = t_kept is None
         self.u_buf = _utils.empty((*rows, plan.value_dim), f32, device)  # U (wy_kernel's)
         self.gc_buf = _utils.empty(rows, f32, device)  # floored gates
         # the sequential kernels' per-token and per-chunk factors (wy_kernel's): a key's decay
@@ -181,16 +187,18 @@ class _ChunkRun:
 
     def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0,
            chunks=None) -> None:
-        """Per chunk T = (I + A)^-1, g, W, U and the sequential kernels' factors (and with
-        ``do``, dD's local part P^T dO into ``dd_buf``), over the chunks [c0, c1) (all)."""
+        """Per chunk T = (I + A)^-1 (unless kept), g, W, U and the sequential kernels' factors
+        (and with ``do``, dD's local part P^T dO into ``dd_buf``), over the chunks [c0, c1)
+        (all)."""
         local = do is not None
         q_arg, do_arg = (q, do) if local else (k, v)  # (unread without LOCAL_DD)
         c0, c1 = chunks or (0, self.max_chunks)
         grid = (c1 - c0, self.chunk_grid[1])
-        gdr_chunk.inverse_kernel[grid](
-            k, g, beta, self.t_buf, cu_arg, *bth_strides(k), *g.stride(), *beta.stride(),
-            plan.seq_len, plan.value_heads, c0, **self.inverse_launch,
-        )
+        if self.invert:
+            gdr_chunk.inverse_kernel[grid](
+                k, g, beta, self.t_buf, cu_arg, *bth_strides(k), *g.stride(), *beta.stride(),
+                plan.seq_len, plan.value_heads, c0, **self.inverse_launch,
+            )
         gdr_chunk.wy_kernel[grid](
             q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.u_buf,
             dd_buf if local else self.u_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
@@ -231,7 +239,7 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
     if plan.empty():
         if output_final_state:  # no tokens: the final state is the initial one
             hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
-        return o, hT
+        return o, hT, _utils.empty(_kept_t_shape(q, v), torch.float32, v.device)
     run = _ChunkRun(plan, v, l2norm, backward=False)
     cu_arg = o if cu is None else cu
     parts = gdr_chunk.forward_parts(v.device, math.prod(run.column_grid), run.max_chunks)
@@ -255,18 +263,24 @@ def _forward_chunked(plan, q, k, v, g, beta, h0, cu, scale, output_final_state, 
         if side is not None:  # (the last wait also keeps every buffer alive past the walks)
             torch.cuda.current_stream(v.device).wait_event(walked[p])
         run.output(plan, q, k, o, scale, cu_arg, chunks)
-    return o, hT
+    return o, hT, run.t_buf
 
 
-def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
-    """The chunked backward: recompute the forward's states (and dD's local part), reverse over
-    chunks for the state gradients and dD, then every input gradient per chunk."""
+def _kept_t_shape(q, v):
+    """[B, T, HV, BT]: the forward's per-chunk T = (I + A)^-1 rows, kept for the backward."""
+    return (*v.shape[:3], gdr_chunk.chunk_size(_utils.INTERPRET, q.shape[-1]))
+
+
+def _backward_chunked(plan, do, dhT, q, k, v, g, beta, t_kept, h0, cu, scale, l2norm):
+    """The chunked backward: recompute the forward's states (and dD's local part) from its
+    kept T, reverse over chunks for the state gradients and dD, then every input gradient per
+    chunk."""
     device, f32 = v.device, torch.float32
     dh0 = _utils.empty(plan.state_shape, f32, device)
     if plan.empty():
         dh0.copy_(dhT if dhT is not None else torch.zeros_like(dh0))
         return (*_input_grads(plan, q, k, v), dh0)
-    run = _ChunkRun(plan, v, l2norm, backward=True)
+    run = _ChunkRun(plan, v, l2norm, backward=True, t_kept=t_kept)
     cu_arg = do if cu is None else cu
     dd_buf = _utils.empty(run.u_buf.shape, f32, device)
     run.wy(plan, k, v, g, beta, cu_arg, q=q, do=do, dd_buf=dd_buf, scale=scale)
@@ -295,16 +309,16 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu, scale, l2norm):
     run.w_buf = run.u_buf = None
     dq_buf, dk_buf, dv, dg_buf, dbeta_buf = _input_grads(plan, q, k, v)
     block = gdr_chunk.bwd_block_v(plan.key_dim, plan.value_dim, run.common["DOT"])
-    # (the token-pair gradients dQK; dKK + dKK^T goes over T in t_buf)
-    dqk_buf = _utils.empty(run.t_buf.shape, f32, device)
+    # the token-pair gradients dQK and dKK, packed in one tile a chunk (gdr_chunk._pack_pairs)
+    pair_buf = _utils.empty(run.t_buf.shape, f32, device)
     gdr_chunk.bwd_pairs_kernel[run.chunk_grid](
-        q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, dv, dbeta_buf,
+        q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, pair_buf, dv, dbeta_buf,
         dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v), *beta.stride(),
         *bth_strides(do), *bth_strides(dv), scale, plan.seq_len, plan.value_heads,
         V=plan.value_dim, BVA=block, **run.bwd_pairs_launch,
     )
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](
-        q, k, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, dqk_buf, run.h_buf, dh_buf,
+        q, k, beta, do, run.gc_buf, run.d_buf, dd_buf, pair_buf, run.h_buf, dh_buf,
         dq_buf, dk_buf, dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k),
         *beta.stride(), *bth_strides(do), scale, plan.seq_len, plan.value_heads,
         V=plan.value_dim, BVA=block, **run.bwd_chunk_launch,
@@ -323,16 +337,16 @@ def _input_grads(plan, q, k, v):
     return dq_buf, dk_buf, _utils.empty(v.shape, v.dtype, v.device), dg_buf, dbeta_buf
 
 
-def _backward_impl(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
-                   chunked, l2norm):
+def _backward_impl(do, dhT, q, k, v, g, beta, t_kept, h0, cu_seqlens, scale,
+                   output_final_state, chunked, l2norm):
     q, k, v, h0, cu = _prepare(q, k, v, h0, cu_seqlens)
     do = unit_last_stride(do)
     plan = _Plan(q, v, cu)
     device, f32 = v.device, torch.float32
     dhT = dhT.contiguous() if output_final_state and dhT is not None else None
     if chunked:
-        dq, dk, dv, dg, dbeta, dh0 = _backward_chunked(plan, do, dhT, q, k, v, g, beta, h0, cu,
-                                                       scale, l2norm)
+        dq, dk, dv, dg, dbeta, dh0 = _backward_chunked(plan, do, dhT, q, k, v, g, beta, t_kept,
+                                                       h0, cu, scale, l2norm)
         dq, dk = (_sum_group(x, plan) for x in (dq, dk))
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
     rows = (plan.batch, plan.seq_len, plan.value_heads)
@@ -385,13 +399,14 @@ def _fake_state(q, v, cu_seqlens):
 def _fake_forward(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked,
                   l2norm):
     o = v.new_empty(v.shape)
+    t_kept = q.new_empty(_kept_t_shape(q, v) if chunked else (0,), dtype=torch.float32)
     if not output_final_state:
-        return o, q.new_empty((0,), dtype=torch.float32)
-    return o, _fake_state(q, v, cu_seqlens)
+        return o, q.new_empty((0,), dtype=torch.float32), t_kept
+    return o, _fake_state(q, v, cu_seqlens), t_kept
 
 
-def _fake_backward(do, dhT, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
-                   chunked, l2norm):
+def _fake_backward(do, dhT, q, k, v, g, beta, t_kept, h0, cu_seqlens, scale,
+                   output_final_state, chunked, l2norm):
     grads = tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
     return (*grads, _fake_state(q, v, cu_seqlens))
 
@@ -407,13 +422,13 @@ _ARGS = (
 
 _forward_op = _utils.register_op(
     f"gated_delta_rule_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {_ARGS}) "
-    "-> (Tensor, Tensor)",
+    "-> (Tensor, Tensor, Tensor)",
     fake=_fake_forward,
 )(explain_out_of_resources(_forward_impl, "gated_delta_rule", lambda a: _heads(*a[:3]), -2))
 
 _backward_op = _utils.register_op(
     "gated_delta_rule_backward(Tensor do, Tensor? dhT, Tensor q, Tensor k, Tensor v, Tensor g, "
-    f"Tensor beta, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"Tensor beta, Tensor t_kept, {_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     fake=_fake_backward,
 )(explain_out_of_resources(_backward_impl, "gated_delta_rule", lambda a: _heads(*a[2:5]), -2))
 
@@ -425,9 +440,9 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state, chunked,
                 l2norm):
-        o, hT = _forward_op(q, k, v, g, beta, h0, cu_seqlens, scale, output_final_state,
-                            chunked, l2norm)
-        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+        o, hT, t_kept = _forward_op(q, k, v, g, beta, h0, cu_seqlens, scale,
+                                    output_final_state, chunked, l2norm)
+        ctx.save_for_backward(q, k, v, g, beta, t_kept, h0, cu_seqlens)
         ctx.options = (scale, output_final_state, chunked, l2norm)
         ctx.state_dtype = None if h0 is None else h0.dtype
         return o, hT
@@ -435,9 +450,9 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dhT):
-        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, t_kept, h0, cu_seqlens = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = _backward_op(
-            do, dhT, q, k, v, g, beta, h0, cu_seqlens, *ctx.options
+            do, dhT, q, k, v, g, beta, t_kept, h0, cu_seqlens, *ctx.options
         )
         dh0 = None if h0 is None else dh0.to(ctx.state_dtype)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None

@@ -999,8 +999,29 @@ def dstates_kernel(
 
 
 @triton.jit
+def _pack_pairs(dQK, dKK, r):
+    """The two token-pair gradients of a chunk in one tile: dQK (lower triangle and diagonal:
+    Q K^T's pairs are causal) below, dKK^T (dKK strictly lower: A's pairs) above. One tile in
+    place of two, and T's tile stays for a second backward (bwd_pairs_kernel wrote dKK + dKK^T
+    over T before 2026-12-02)."""
+    return tl.where(r[:, None] >= r[None, :], dQK, tl.trans(dKK))
+
+
+@triton.jit
+def _unpack_pairs(pair_buf, buf_rows, mt, r, BT: tl.constexpr):
+    """_pack_pairs' tile as (dQK, dKK + dKK^T): the upper triangle read once as is (dKK^T) and
+    once transposed through its pointers (dKK), so no value is added or rounded."""
+    packed = tl.load(pair_buf + buf_rows[:, None] * BT + r[None, :], mask=mt[:, None], other=0.0)
+    mirror = tl.load(pair_buf + buf_rows[None, :] * BT + r[:, None], mask=mt[None, :], other=0.0)
+    dQK = tl.where(r[:, None] >= r[None, :], packed, 0.0)
+    dKK2 = (tl.where(r[:, None] < r[None, :], packed, 0.0)
+            + tl.where(r[:, None] > r[None, :], mirror, 0.0))
+    return dQK, dKK2
+
+
+@triton.jit
 def bwd_pairs_kernel(
-    q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, dqk_buf, dv, dbeta_buf, dg_buf, cu,
+    q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, pair_buf, dv, dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
@@ -1009,10 +1030,11 @@ def bwd_pairs_kernel(
     """The backward's per-chunk gradients, first half (one chunk and value head): what needs
     no state. Over the value columns dP = dO D^T, dDD = dD D^T and d(beta V) = T^T dD (dU =
     dD), whence dv and dbeta's value part; T^T dD goes over dD in dd_buf, so that the second
-    half's dW term (T^T dW = -(T^T dD) S0^T) needs no T. Then the token-pair gradients: dQK
-    (the gradient of Q K^T's decayed, scaled products) into dqk_buf, dKK + dKK^T (that of K K^T)
-    over T in t_buf, dbeta's and dg's pair parts into dbeta_buf and dg_buf. (One kernel with
-    the second half held 255 registers and spilled 1304 B a thread, one block an SM.)"""
+    half's dW term (T^T dW = -(T^T dD) S0^T) needs no T. Then the token-pair gradients, packed
+    in one [BT, BT] tile of pair_buf (_pack_pairs): dQK (the gradient of Q K^T's decayed, scaled
+    products) and dKK (that of K K^T); and dbeta's and dg's pair parts into dbeta_buf and dg_buf.
+    T in t_buf stays as the forward left it. (One kernel with the second half held 255
+    registers and spilled 1304 B a thread, one block an SM.)"""
     i_c, i_n, i_h, i_b, start, end, bos = _chunk_program(cu, T, HV, BT, VARLEN, 0)
     if start >= end:
         return
@@ -1058,7 +1080,6 @@ def bwd_pairs_kernel(
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     gamma = _decays(gq, r, False)
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
-    tl.store(dqk_buf + pair_tile, dP * gamma, mask=mt[:, None])
     pairs = dP * P
     # dA = -T^T (dW W^T + dU U^T), and dW W^T + dU U^T = dD D^T: W S0 = U - D, so
     # dW W^T = -dD S0^T W^T = -dD (U - D)^T (no W, no U, no two products that cancel).
@@ -1067,7 +1088,7 @@ def bwd_pairs_kernel(
     gamma_lower = tl.where(r[:, None] > r[None, :], gamma, 0.0)  # (the same values)
     KK = mm(k_in, tl.trans(k_in), DOT) * (rk[:, None] * rk[None, :])
     dKK = dA * gamma_lower * bc[:, None]  # A = beta KK Gamma (strictly lower)
-    tl.store(t_buf + pair_tile, dKK + tl.trans(dKK), mask=mt[:, None])  # (T read above)
+    tl.store(pair_buf + pair_tile, _pack_pairs(dP * gamma, dKK, r), mask=mt[:, None])
     dbeta += tl.sum(dA * gamma_lower * KK, axis=1)
     pairs += dKK * KK  # dA * A
     pairs = tl.where(r[:, None] > r[None, :], pairs, 0.0)
@@ -1110,7 +1131,7 @@ def _state_products(do_rows, d_buf, dd_buf, h_buf, dh_buf, buf_rows, mt, state0,
 
 @triton.jit
 def bwd_chunk_kernel(
-    q, k, beta, do, gc_buf, t_buf, d_buf, dd_buf, dqk_buf, h_buf, dh_buf, dq_buf, dk_buf,
+    q, k, beta, do, gc_buf, d_buf, dd_buf, pair_buf, h_buf, dh_buf, dq_buf, dk_buf,
     dbeta_buf, dg_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
@@ -1153,11 +1174,9 @@ def bwd_chunk_kernel(
     dbeta = tl.load(dbeta_buf + buf_rows, mask=mt, other=0.0) + eg * k_dkb
     own += bc * eg * k_dkb
     dk += (bc * eg)[:, None] * dkb
-    pair_tile = buf_rows[:, None] * BT + r[None, :]
-    dQK = tl.load(dqk_buf + pair_tile, mask=mt[:, None], other=0.0)
+    dQK, dKK2 = _unpack_pairs(pair_buf, buf_rows, mt, r, BT)
     dq += mm(dQK * rk[None, :], k_in, DOT)
     dk += scale * mm(tl.trans(dQK * rq[:, None]), q_in, DOT)
-    dKK2 = tl.load(t_buf + pair_tile, mask=mt[:, None], other=0.0)  # dKK + dKK^T
     dk += mm(dKK2 * rk[None, :], k_in, DOT)  # KK = K K^T: both factors
     dg = tl.load(dg_buf + buf_rows, mask=mt, other=0.0)
     dg += tl.sum(tl.where(r[:, None] >= r[None, :], own[:, None], 0.0), axis=0)
