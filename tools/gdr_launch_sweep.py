@@ -7,6 +7,8 @@ launcher reads at every call, such as FUSETUNE_GDR_W).
 
     PYTHONPATH=src:tests:tools python tools/gdr_launch_sweep.py [--batch 4 --seq-len 4096]
 
+With --profile each row also prints its GPU time per kernel (gdr_kernel_profile's table).
+
 The launcher runs every kernel at num_stages=1 (gdr_chunk's SHARED MEMORY) except states /
 dstates with bf16 products, at 2: their loads of the next chunk do not depend on the state, so
 the second stage prefetches them while the state products run (2026-11-27 eighteenth).
@@ -19,6 +21,7 @@ import os
 from unittest import mock
 
 import torch
+from gdr_kernel_profile import CHUNK, kernel_times, report
 from gdr_modes_bench import DIM, HEADS, make_run, ours, timed
 
 from fusetune.bench.cases_gated_delta_rule import _inputs
@@ -109,6 +112,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", action="append", help="a row's name (repeat; default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also GPU time per kernel under each row's settings")
     args = parser.parse_args()
     rows = args.only or list(VARIANTS)
     torch.manual_seed(0)
@@ -141,6 +146,9 @@ def main() -> None:
             continue
         print(f"{label:28s} fwd+bwd {min(both):7.2f} ms  fwd {fwd:6.2f} ms  "
               f"peak +{peak:6.0f} MiB", flush=True)  # fmt: skip
+        if args.profile:
+            with mock.patch.dict(os.environ, env):
+                report(label, kernel_times(fwd_bwd), -(-args.seq_len // CHUNK))
     for name, kernel in originals.items():
         setattr(gdr_chunk, name, kernel)
     gdr_chunk.state_dtype = STATE_DTYPE
