@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -375,21 +374,3 @@ def fused_ops_run(step: Callable[[], object]) -> dict[str, int]:
             name = event.name.removeprefix("fusetune::")
             counts[name] = counts.get(name, 0) + 1
     return counts
-
-
-# transformers families whose linear-attention layers fusetune routes to gated_delta_rule
-GATED_DELTA_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-
-
-def one_product_gated_delta(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In Triton's interpreter (the CPU pass), Gated DeltaNet's products as one IEEE fp32
-    product each (FUSETUNE_GDR_DOT=ieee) for a model-level test: routing, patching, compiling,
-    training against transformers, none of them about the products' precision. The interpreter
-    takes every fp32 tl.dot as numpy's fp32 product whatever its input_precision, so the default
-    split3 (fp32 operands split into tf32 halves, three products) computes the same fp32 product
-    three times over: 20-35 % of such a test's time (Qwen3.5 fp32, 2 steps: 18.3 -> 13.1 s).
-    tests/test_gated_delta_rule.py holds every product mode, the default included, to float64
-    (and its Qwen3.5 route test trains in the default mode). GPUs keep the default (their
-    tensor cores do round to tf32), and so does a mode named in the environment."""
-    if not ON_GPU and "FUSETUNE_GDR_DOT" not in os.environ:
-        monkeypatch.setenv("FUSETUNE_GDR_DOT", "ieee")

@@ -22,14 +22,7 @@ import fusetune
 from fusetune.integrations import _transformers_forwards as forwards
 from fusetune.integrations import peft as peft_integration
 from fusetune.integrations import transformers as integration
-from harness import (
-    DEVICE,
-    GATED_DELTA_FAMILIES,
-    ON_GPU,
-    assert_close,
-    one_product_gated_delta,
-    relative_error,
-)
+from harness import DEVICE, ON_GPU, assert_close, relative_error
 
 # peft first: importing it swaps sys.modules["transformers"] for a new module object (same
 # submodules and classes), and the version test patches the one fusetune will read.
@@ -292,11 +285,9 @@ def assert_same_training(got, want, loss_tol=FP32_LOSS_TOL, update_tol=FP32_UPDA
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_matches_transformers_fp32(family, fused_calls, monkeypatch):
+def test_training_matches_transformers_fp32(family, fused_calls):
     """Every family, fp32: the same losses and parameter updates as transformers, step by
     step; every fused part ran on every forward (Cohere: its LayerNorms stay HF's)."""
-    if family in GATED_DELTA_FAMILIES:
-        one_product_gated_delta(monkeypatch)  # the interpreter's fp32 dots: see there
     model = tiny_model(family)
     batches = make_batches(STEPS)
     want = train(copy.deepcopy(model), batches)
@@ -359,11 +350,9 @@ LORA_FAMILIES = FAMILIES if ON_GPU else ("llama", "gemma2", "phi3", "mixtral", "
 
 
 @pytest.mark.parametrize("family", LORA_FAMILIES)
-def test_peft_lora_training_matches(family, monkeypatch):
+def test_peft_lora_training_matches(family):
     """A PeftModel: apply finds the transformers model inside and routes the LoRA layers
     through fusetune's LoRA ops (lora=True); adapter updates match PEFT's own."""
-    if family in GATED_DELTA_FAMILIES:
-        one_product_gated_delta(monkeypatch)  # the interpreter's fp32 dots: see there
     model = lora_model(family)
     batches = make_batches(STEPS)
     want = train(copy.deepcopy(model), batches)
