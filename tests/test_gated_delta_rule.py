@@ -676,17 +676,23 @@ def test_forward_parts_modes(monkeypatch):
         parts(cpu, 2, 8)
 
 
+def _bf16_inputs(length: int, n_seq: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta, h0) in bf16 (g and h0 fp32): one key head and two value heads of 32,
+    ``length`` tokens, an initial state for each of ``n_seq`` packed sequences."""
+    q, k = (torch.randn(1, length, 1, 32, device=DEVICE, dtype=torch.bfloat16) for _ in "qk")
+    v = torch.randn(1, length, 2, 32, device=DEVICE, dtype=torch.bfloat16)
+    g = -F.softplus(torch.randn(1, length, 2, device=DEVICE))
+    beta = torch.rand(1, length, 2, device=DEVICE, dtype=torch.bfloat16)
+    return q, k, v, g, beta, torch.randn(n_seq, 2, 32, 32, device=DEVICE)
+
+
 def test_forward_parts_equal_one_part(monkeypatch):
     """The forward walked in parts (on a side stream on the GPU) gives bit for bit what one
     part gives: the state crosses the parts in fp32 (bf16, l2norm, grouped heads, an initial
     and a final state, packed sequences of which one ends inside the first part)."""
     torch.manual_seed(0)
     length = 4100 if ON_GPU else 40  # (3 parts: 65 chunks of 64, or 3 of 16)
-    q, k = (torch.randn(1, length, 1, 32, device=DEVICE, dtype=torch.bfloat16) for _ in "qk")
-    v = torch.randn(1, length, 2, 32, device=DEVICE, dtype=torch.bfloat16)
-    g = -F.softplus(torch.randn(1, length, 2, device=DEVICE))
-    beta = torch.rand(1, length, 2, device=DEVICE, dtype=torch.bfloat16)
-    h0 = torch.randn(3, 2, 32, 32, device=DEVICE)
+    q, k, v, g, beta, h0 = _bf16_inputs(length, 3)
     cu = torch.tensor([0, length // 5, length // 5 + 1, length], device=DEVICE)
     results = {}
     for count in ("1", "3"):
@@ -714,12 +720,7 @@ def test_backward_reads_the_forwards_t(monkeypatch):
     launch) and leaves it as it found it: a second backward through the same graph gives bit for
     bit the first's gradients (packed sequences, l2norm, an initial state)."""
     torch.manual_seed(0)
-    q, k = (torch.randn(1, 40, 1, 32, device=DEVICE, dtype=torch.bfloat16) for _ in "qk")
-    v = torch.randn(1, 40, 2, 32, device=DEVICE, dtype=torch.bfloat16)
-    g = -F.softplus(torch.randn(1, 40, 2, device=DEVICE))
-    beta = torch.rand(1, 40, 2, device=DEVICE, dtype=torch.bfloat16)
-    h0 = torch.randn(2, 2, 32, 32, device=DEVICE)
-    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    leaves = [x.requires_grad_() for x in _bf16_inputs(40, 2)]
     inverse = _CountedLaunches(gdr_chunk.inverse_kernel)
     monkeypatch.setattr(gdr_chunk, "inverse_kernel", inverse)
     monkeypatch.setenv("FUSETUNE_GDR_FWD_PARTS", "1")
