@@ -1172,3 +1172,39 @@ def test_route_leaves_other_models_alone():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     assert gated_delta.route(model) == 0
     assert gated_delta.unroute(model) == 0
+
+
+@pytest.mark.parametrize("walk", ["auto", "transposed"])
+def test_walks_bf16_k128(monkeypatch, walk):
+    """Both walks at K = 128 in bf16, where auto takes the key-block ones (states_k64_kernel,
+    dstates_k64_kernel: two 64-row key blocks, untransposed products into the state or its
+    gradient): the float64 oracle met with an initial and a final state, several chunks,
+    grouped heads, and packed sequences."""
+    monkeypatch.setenv("FUSETUNE_GDR_WALK", walk)
+    launched = {name: _CountedLaunches(getattr(gdr_chunk, name))
+                for name in ("states_kernel", "states_k64_kernel")}  # fmt: skip
+    for name, counted in launched.items():
+        monkeypatch.setattr(gdr_chunk, name, counted)
+    inputs = make_inputs(batch=1, seq_len=40, key_heads=1, value_heads=2, key_dim=128,
+                         value_dim=96)  # fmt: skip
+    run_check(inputs, torch.bfloat16, "chunk")
+    offsets = [0, 17, 18, 40]  # packed: one sequence of a single token
+    packed = make_inputs(batch=1, seq_len=offsets[-1], n_seq=len(offsets) - 1, key_heads=1,
+                         value_heads=2, key_dim=128, value_dim=96)  # fmt: skip
+    check_packed(packed, offsets, torch.bfloat16)
+    taken = "states_k64_kernel" if walk == "auto" else "states_kernel"
+    assert launched[taken].count > 0
+    assert sum(c.count for c in launched.values()) == launched[taken].count
+
+
+def test_walk_modes(monkeypatch):
+    """The key-block walks where every walk product is bf16 and 64 < K <= 128 (auto);
+    FUSETUNE_GDR_WALK=transposed keeps the others; other values are refused by name."""
+    key_blocks = gdr_chunk.walks_in_key_blocks
+    assert key_blocks(128, 2) and key_blocks(100, 2)
+    assert not key_blocks(64, 2) and not key_blocks(256, 2) and not key_blocks(128, 1)
+    monkeypatch.setenv("FUSETUNE_GDR_WALK", "transposed")
+    assert not key_blocks(128, 2)
+    monkeypatch.setenv("FUSETUNE_GDR_WALK", "k64")
+    with pytest.raises(ValueError, match=r"FUSETUNE_GDR_WALK must be .*got 'k64'"):
+        key_blocks(128, 2)

@@ -184,6 +184,11 @@ class _ChunkRun:
         stages = 2 if seq_bf16 else 1
         self.states_launch = dict(self.wide if few else self.common, num_stages=stages)
         self.dstates_launch = dict(self.wide, num_stages=stages)
+        # the walks in key blocks (gdr_chunk.walks_in_key_blocks), at 4 warps (8 were slower:
+        # B1 T32768 fwd+bwd 8.29 against 7.71 ms, docs/bench/session-2026-12-02-twentyeighth)
+        self.key_block_walks = gdr_chunk.walks_in_key_blocks(plan.key_dim, seq_bf16)
+        self.key_block_launch = {**{n: self.common[n] for n in ("GROUP", "K", "BT", "VARLEN")},
+                                 "num_warps": 4, "num_stages": stages}  # fmt: skip
 
     def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0,
            chunks=None) -> None:
@@ -212,6 +217,15 @@ class _ChunkRun:
         """The start state of every chunk in [c0, c1) (all) into h_buf and its writes D into
         d_buf, from h0 (zeros if None); the state after them into hT (if given)."""
         c0, c1 = chunks or (0, self.max_chunks)
+        if self.key_block_walks:
+            gdr_chunk.states_k64_kernel[self.column_grid](
+                k, self.kd_buf, self.decay_buf, self.w_buf, self.u_buf, self.d_buf, self.h_buf,
+                self.u_buf if h0 is None else h0, self.u_buf if hT is None else hT, cu_arg,
+                *bth_strides(k), plan.seq_len, plan.value_heads, c0, c1, V=plan.value_dim,
+                BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None,
+                **self.key_block_launch,
+            )
+            return
         gdr_chunk.states_kernel[self.column_grid](
             k, self.kd_buf, self.decay_buf, self.w_buf, self.u_buf, self.d_buf, self.h_buf,
             self.u_buf if h0 is None else h0, self.u_buf if hT is None else hT, cu_arg,
@@ -295,13 +309,22 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, t_kept, h0, cu, scale, l2
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             run.sequential_states(plan, k, h0, None, cu_arg)
-    gdr_chunk.dstates_kernel[run.column_grid](
-        q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
-        dh_buf if dhT is None else dhT, dh0,
-        cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
-        plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
-        **run.sequential, **run.dstates_launch,
-    )
+    if run.key_block_walks:
+        gdr_chunk.dstates_k64_kernel[run.column_grid](
+            q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
+            dh_buf if dhT is None else dhT, dh0,
+            cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), plan.seq_len,
+            plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
+            **run.key_block_launch,
+        )
+    else:
+        gdr_chunk.dstates_kernel[run.column_grid](
+            q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
+            dh_buf if dhT is None else dhT, dh0,
+            cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
+            plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
+            **run.sequential, **run.dstates_launch,
+        )
     if side is not None:  # (before any buffer the side stream reads is freed)
         torch.cuda.current_stream(device).wait_stream(side)
     # freed before the gradients' buffers are allocated: no peak holds both (u_buf is d_buf

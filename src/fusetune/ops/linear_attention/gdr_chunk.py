@@ -257,6 +257,28 @@ def forward_parts(device: torch.device, programs: int, chunks: int) -> list[tupl
     return list(itertools.pairwise([*range(0, chunks, step), chunks]))
 
 
+def walks_in_key_blocks(key_dim: int, seq_bf16: int) -> bool:
+    """Whether the walks take FLA's shape (states_k64_kernel, dstates_k64_kernel: the state as
+    two [64, BV] key blocks, each product untransposed into it) rather than states_kernel and
+    dstates_kernel's transposed products: where every walk product is bf16 (``seq_bf16`` 2)
+    and 64 < K <= 128. ``FUSETUNE_GDR_WALK`` (read at every call): ``auto`` (that) or
+    ``transposed``. H200, GPU ms per kernel (4 warps against the launcher's): B4 T4096 H16 D128
+    bf16 states 0.436 -> 0.343 and 0.439 -> 0.347, dstates 0.351 -> 0.312 and 0.358 -> 0.309
+    in two runs; at B1 T32768, where the forward's walks share the GPU, states 2.168 -> 1.979
+    and 2.195 -> 2.323, dstates 1.360 -> 1.181 and 1.385 -> 1.341
+    (docs/bench/session-2026-12-02-twentyeighth/call-04, -05). At BV 32 their bf16 products
+    take [64, 32] B operands, the tile of the 2026-11-27 H100 faults (above ``mm_state``).
+    The H200 shows that fault class: main with mm_state's products untransposed faulted or
+    gave wrong results in 2 of 14 fault-probe cases there (an illegal address in
+    dstates_kernel, dk = inf); these walks ran clean in 35 cases at B4 T4096, B1 T32768 and
+    B2 T700 (docs/bench/session-2026-12-02-twentyninth/call-02, twentyeighth/call-06). Not
+    probed on an H100 (none lent since); ``transposed`` is the way back if one faults."""
+    walk = os.environ.get("FUSETUNE_GDR_WALK", "auto")
+    if walk not in ("auto", "transposed"):
+        raise ValueError(f"FUSETUNE_GDR_WALK must be 'auto' or 'transposed', got {walk!r}")
+    return walk == "auto" and seq_bf16 >= 2 and 64 < key_dim <= 128
+
+
 def backward_side_stream(device: torch.device, programs: int) -> torch.cuda.Stream | None:
     """The CUDA stream the backward's states recompute runs on beside dstates_kernel, or None
     (one stream, one after the other): ``FUSETUNE_GDR_BWD_SEQ`` (read at every call) ``beside``
@@ -892,6 +914,79 @@ def states_kernel(
 
 
 @triton.jit
+def _dot_bf16_acc(a, b, acc):
+    """acc + a @ b of two bf16 tiles, summed in fp32 (see _dot_inputs)."""
+    if UPCAST_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def states_k64_kernel(
+    k, kd_buf, decay_buf, w_buf, u_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
+    T, HV, C0, C1, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """states_kernel for 64 < K <= 128 with every product in bf16 (SEQ_BF16 2), in FLA's
+    shape: the state as two [64, BV] key blocks, each product untransposed (the chunk's rows
+    or a key block on M) with the state, or W S0's sum, as its accumulator, and k^T loaded
+    transposed (``walks_in_key_blocks``)."""
+    i_v = tl.program_id(0)
+    pid = tl.program_id(1).to(tl.int64)
+    i_n, i_h = pid // HV, pid % HV
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    c1, cv = tl.arange(0, 64), i_v * BV + tl.arange(0, BV)
+    c2 = 64 + c1
+    m2, mv = c2 < K, cv < V
+    tile1, tile2 = c1[:, None] * V + cv[None, :], c2[:, None] * V + cv[None, :]
+    mkv1, mkv2 = (c1 < 64)[:, None] & mv[None, :], m2[:, None] & mv[None, :]
+    k += i_b * sk_b + (i_h // GROUP) * sk_h
+    S1 = tl.zeros([64, BV], dtype=tl.float32)
+    S2 = tl.zeros([64, BV], dtype=tl.float32)
+    if HAS_H0:
+        start_state = h0 + (i_n * HV + i_h) * K * V
+        S1 += tl.load(start_state + tile1, mask=mkv1, other=0.0).to(tl.float32)
+        S2 += tl.load(start_state + tile2, mask=mkv2, other=0.0).to(tl.float32)
+    first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
+    r = tl.arange(0, BT)
+    for i_c in range(C0, tl.minimum(tl.cdiv(eos - bos, BT), C1)):
+        rows = bos + i_c * BT + r
+        mt = rows < eos
+        mtv = mt[:, None] & mv[None, :]
+        buf_rows = (i_b * T + rows) * HV + i_h
+        copy = h_buf + ((first_slot + i_c) * HV + i_h) * K * V
+        tl.store(copy + tile1, S1.to(h_buf.dtype.element_ty), mask=mkv1)
+        tl.store(copy + tile2, S2.to(h_buf.dtype.element_ty), mask=mkv2)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
+        w_rows = w_buf + buf_rows[:, None] * K
+        W1 = tl.load(w_rows + c1[None, :], mask=mt[:, None], other=0.0)
+        W2 = tl.load(w_rows + c2[None, :], mask=mt[:, None] & m2[None, :], other=0.0)
+        k_cols = k + rows[None, :] * sk_t  # k^T's key blocks [64, BT]
+        kt1 = tl.load(k_cols + c1[:, None], mask=mt[None, :], other=0.0)
+        kt2 = tl.load(k_cols + c2[:, None], mask=m2[:, None] & mt[None, :], other=0.0)
+        d_rows = d_buf + buf_rows[:, None] * V + cv[None, :]
+        if d_buf.dtype.element_ty == tl.bfloat16:  # (FUSETUNE_GDR_W=d: U apart, in fp32)
+            U = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
+        else:
+            U = tl.load(d_rows, mask=mtv, other=0.0)
+        WS = _dot_bf16_acc(W1, to_bf16(S1), tl.zeros([BT, BV], dtype=tl.float32))
+        Dc = U - _dot_bf16_acc(W2, to_bf16(S2), WS)
+        if d_buf.dtype.element_ty == tl.bfloat16:
+            tl.store(d_rows, to_bf16(Dc), mask=mtv)
+        else:
+            tl.store(d_rows, Dc, mask=mtv)
+        kD = to_bf16(kd[:, None] * Dc)
+        S1 = _dot_bf16_acc(kt1, kD, S1 * decay)
+        S2 = _dot_bf16_acc(kt2, kD, S2 * decay)
+    if STORE_HT:
+        end_state = hT + (i_n * HV + i_h) * K * V
+        tl.store(end_state + tile1, S1, mask=mkv1)
+        tl.store(end_state + tile2, S2, mask=mkv2)
+
+
+@triton.jit
 def output_kernel(
     q, k, gc_buf, d_buf, h_buf, o, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, so_b, so_t, so_h,
@@ -996,6 +1091,75 @@ def dstates_kernel(
         dS = (dS * decay + mm_state(tl.trans(q_in), dOe, SEQ_BF16 >= 2, DOT)
               - mm_state(tl.trans(Wc), dDc, SEQ_BF16 >= 1, DOT))
     tl.store(dh0 + (i_n * HV + i_h) * K * V + tile, dS, mask=mkv)
+
+
+@triton.jit
+def dstates_k64_kernel(
+    q, k, do, kd_buf, qd_buf, decay_buf, w_buf, dd_buf, dh_buf, dhT, dh0, cu,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sd_b, sd_t, sd_h,
+    T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """dstates_kernel for 64 < K <= 128 with every product in bf16 (SEQ_BF16 2), in FLA's
+    shape (see states_k64_kernel): dS as two [64, BV] key blocks, K dS from the two key blocks
+    of k, and each block's update untransposed into it from q^T's and W^T's blocks, loaded
+    transposed (``walks_in_key_blocks``)."""
+    i_v = tl.program_id(0)
+    pid = tl.program_id(1).to(tl.int64)
+    i_n, i_h = pid // HV, pid % HV
+    i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
+    c1, cv = tl.arange(0, 64), i_v * BV + tl.arange(0, BV)
+    c2 = 64 + c1
+    m2, mv = c2 < K, cv < V
+    tile1, tile2 = c1[:, None] * V + cv[None, :], c2[:, None] * V + cv[None, :]
+    mkv1, mkv2 = (c1 < 64)[:, None] & mv[None, :], m2[:, None] & mv[None, :]
+    i_hk = i_h // GROUP
+    q += i_b * sq_b + i_hk * sq_h
+    k += i_b * sk_b + i_hk * sk_h
+    do += i_b * sd_b + i_h * sd_h
+    dS1 = tl.zeros([64, BV], dtype=tl.float32)
+    dS2 = tl.zeros([64, BV], dtype=tl.float32)
+    if HAS_DHT:
+        end_grad = dhT + (i_n * HV + i_h) * K * V
+        dS1 += tl.load(end_grad + tile1, mask=mkv1, other=0.0).to(tl.float32)
+        dS2 += tl.load(end_grad + tile2, mask=mkv2, other=0.0).to(tl.float32)
+    first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
+    r = tl.arange(0, BT)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    for j in range(0, n_chunks):
+        i_c = n_chunks - 1 - j
+        rows = bos + i_c * BT + r
+        mt = rows < eos
+        mtv = mt[:, None] & mv[None, :]
+        buf_rows = (i_b * T + rows) * HV + i_h
+        copy = dh_buf + ((first_slot + i_c) * HV + i_h) * K * V
+        tl.store(copy + tile1, dS1.to(dh_buf.dtype.element_ty), mask=mkv1)
+        tl.store(copy + tile2, dS2.to(dh_buf.dtype.element_ty), mask=mkv2)
+        k_rows = k + rows[:, None] * sk_t
+        k1 = tl.load(k_rows + c1[None, :], mask=mt[:, None], other=0.0)
+        k2 = tl.load(k_rows + c2[None, :], mask=mt[:, None] & m2[None, :], other=0.0)
+        q_cols = q + rows[None, :] * sq_t  # q^T's and W^T's key blocks [64, BT]
+        qt1 = tl.load(q_cols + c1[:, None], mask=mt[None, :], other=0.0)
+        qt2 = tl.load(q_cols + c2[:, None], mask=m2[:, None] & mt[None, :], other=0.0)
+        w_cols = w_buf + buf_rows[None, :] * K
+        wt1 = tl.load(w_cols + c1[:, None], mask=mt[None, :], other=0.0)
+        wt2 = tl.load(w_cols + c2[:, None], mask=m2[:, None] & mt[None, :], other=0.0)
+        dO_in = tl.load(do + rows[:, None] * sd_t + cv[None, :], mask=mtv, other=0.0)
+        kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
+        qd = tl.load(qd_buf + buf_rows, mask=mt, other=0.0)
+        decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
+        dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
+        KdS = _dot_bf16_acc(k1, to_bf16(dS1), tl.zeros([BT, BV], dtype=tl.float32))
+        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + kd[:, None] * _dot_bf16_acc(
+            k2, to_bf16(dS2), KdS)
+        tl.store(dd_rows, dDc, mask=mtv)
+        dOe = to_bf16(qd[:, None] * dO_in.to(tl.float32))  # (e^G Q)^T dO = Q^T dOe
+        minus_dD = to_bf16(-dDc)
+        dS1 = _dot_bf16_acc(wt1, minus_dD, _dot_bf16_acc(qt1, dOe, dS1 * decay))
+        dS2 = _dot_bf16_acc(wt2, minus_dD, _dot_bf16_acc(qt2, dOe, dS2 * decay))
+    start_grad = dh0 + (i_n * HV + i_h) * K * V
+    tl.store(start_grad + tile1, dS1, mask=mkv1)
+    tl.store(start_grad + tile2, dS2, mask=mkv2)
 
 
 @triton.jit
