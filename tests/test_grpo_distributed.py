@@ -142,11 +142,13 @@ def assert_weights_close(got: dict, want: dict) -> None:
     """Saved weights after 2 AdamW steps. Adam divides each gradient by its own size, so the
     engines' rounding (their reductions sum in other orders) moves the parameter of a near-zero
     gradient by the learning rate (2e-2 LoRA, 3e-3 full) times that gradient's relative
-    difference: up to 5.5e-5 measured on CPU ranks, hence 5e-4. A wrong gather (a shard in the
-    wrong place, a zero or stale partition) is off by the weights' own size, about 0.1."""
+    difference: up to 5.5e-5 measured on CPU ranks, then 5.4e-4 (one embedding entry of 20480,
+    full fine-tuning) on another CPU host (2026-12-02), hence 2e-3. A wrong gather (a shard in
+    the wrong place, a zero or stale partition) is off by the weights' own size, about 0.1."""
     assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
     for name, tensor in want.items():
-        assert torch.allclose(got[name], tensor, rtol=0, atol=5e-4), name
+        gap = (got[name] - tensor).abs().max().item()
+        assert gap <= 2e-3, (name, gap)
 
 
 def test_zero3_full_equals_ddp_and_saves_the_whole_model(tmp_path):
