@@ -935,6 +935,32 @@ def _dot_bf16_acc(a, b, acc):
 
 
 @triton.jit
+def _key_blocks(K, V, BV: tl.constexpr):
+    """A key-block walk's value columns (program axis 0: a block of BV) and the two [64, BV] key
+    blocks of its [K, V] state: (cv, mv, c1, c2, m2, tile1, tile2, mkv1, mkv2)."""
+    c1, cv = tl.arange(0, 64), tl.program_id(0) * BV + tl.arange(0, BV)
+    c2 = 64 + c1
+    m2, mv = c2 < K, cv < V
+    tile1, tile2 = c1[:, None] * V + cv[None, :], c2[:, None] * V + cv[None, :]
+    mkv1, mkv2 = (c1 < 64)[:, None] & mv[None, :], m2[:, None] & mv[None, :]
+    return cv, mv, c1, c2, m2, tile1, tile2, mkv1, mkv2
+
+
+@triton.jit
+def _load_key_blocks(state, tile1, tile2, mkv1, mkv2):
+    """A [K, V] state's two key blocks (``_key_blocks``) as fp32."""
+    first = tl.load(state + tile1, mask=mkv1, other=0.0).to(tl.float32)
+    return first, tl.load(state + tile2, mask=mkv2, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_key_blocks(state, S1, S2, tile1, tile2, mkv1, mkv2):
+    """The two key blocks into a [K, V] state, in its dtype."""
+    tl.store(state + tile1, S1.to(state.dtype.element_ty), mask=mkv1)
+    tl.store(state + tile2, S2.to(state.dtype.element_ty), mask=mkv2)
+
+
+@triton.jit
 def states_k64_kernel(
     k, kd_buf, decay_buf, w_buf, u_buf, d_buf, h_buf, h0, hT, cu, sk_b, sk_t, sk_h,
     T, HV, C0, C1, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BV: tl.constexpr,
@@ -944,22 +970,17 @@ def states_k64_kernel(
     shape: the state as two [64, BV] key blocks, each product untransposed (the chunk's rows
     or a key block on M) with the state, or W S0's sum, as its accumulator, and k^T loaded
     transposed (``walks_in_key_blocks``)."""
-    i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    c1, cv = tl.arange(0, 64), i_v * BV + tl.arange(0, BV)
-    c2 = 64 + c1
-    m2, mv = c2 < K, cv < V
-    tile1, tile2 = c1[:, None] * V + cv[None, :], c2[:, None] * V + cv[None, :]
-    mkv1, mkv2 = (c1 < 64)[:, None] & mv[None, :], m2[:, None] & mv[None, :]
+    cv, mv, c1, c2, m2, tile1, tile2, mkv1, mkv2 = _key_blocks(K, V, BV)
     k += i_b * sk_b + (i_h // GROUP) * sk_h
     S1 = tl.zeros([64, BV], dtype=tl.float32)
     S2 = tl.zeros([64, BV], dtype=tl.float32)
     if HAS_H0:
-        start_state = h0 + (i_n * HV + i_h) * K * V
-        S1 += tl.load(start_state + tile1, mask=mkv1, other=0.0).to(tl.float32)
-        S2 += tl.load(start_state + tile2, mask=mkv2, other=0.0).to(tl.float32)
+        H1, H2 = _load_key_blocks(h0 + (i_n * HV + i_h) * K * V, tile1, tile2, mkv1, mkv2)
+        S1 += H1
+        S2 += H2
     first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
     for i_c in range(C0, tl.minimum(tl.cdiv(eos - bos, BT), C1)):
@@ -968,8 +989,7 @@ def states_k64_kernel(
         mtv = mt[:, None] & mv[None, :]
         buf_rows = (i_b * T + rows) * HV + i_h
         copy = h_buf + ((first_slot + i_c) * HV + i_h) * K * V
-        tl.store(copy + tile1, S1.to(h_buf.dtype.element_ty), mask=mkv1)
-        tl.store(copy + tile2, S2.to(h_buf.dtype.element_ty), mask=mkv2)
+        _store_key_blocks(copy, S1, S2, tile1, tile2, mkv1, mkv2)
         kd = tl.load(kd_buf + buf_rows, mask=mt, other=0.0)  # (wy_kernel's factors)
         decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         w_rows = w_buf + buf_rows[:, None] * K
@@ -993,9 +1013,7 @@ def states_k64_kernel(
         S1 = _dot_bf16_acc(kt1, kD, S1 * decay)
         S2 = _dot_bf16_acc(kt2, kD, S2 * decay)
     if STORE_HT:
-        end_state = hT + (i_n * HV + i_h) * K * V
-        tl.store(end_state + tile1, S1, mask=mkv1)
-        tl.store(end_state + tile2, S2, mask=mkv2)
+        _store_key_blocks(hT + (i_n * HV + i_h) * K * V, S1, S2, tile1, tile2, mkv1, mkv2)
 
 
 @triton.jit
@@ -1116,15 +1134,10 @@ def dstates_k64_kernel(
     shape (see states_k64_kernel): dS as two [64, BV] key blocks, K dS from the two key blocks
     of k, and each block's update untransposed into it from q^T's and W^T's blocks, loaded
     transposed (``walks_in_key_blocks``)."""
-    i_v = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     i_n, i_h = pid // HV, pid % HV
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
-    c1, cv = tl.arange(0, 64), i_v * BV + tl.arange(0, BV)
-    c2 = 64 + c1
-    m2, mv = c2 < K, cv < V
-    tile1, tile2 = c1[:, None] * V + cv[None, :], c2[:, None] * V + cv[None, :]
-    mkv1, mkv2 = (c1 < 64)[:, None] & mv[None, :], m2[:, None] & mv[None, :]
+    cv, mv, c1, c2, m2, tile1, tile2, mkv1, mkv2 = _key_blocks(K, V, BV)
     i_hk = i_h // GROUP
     q += i_b * sq_b + i_hk * sq_h
     k += i_b * sk_b + i_hk * sk_h
@@ -1132,9 +1145,9 @@ def dstates_k64_kernel(
     dS1 = tl.zeros([64, BV], dtype=tl.float32)
     dS2 = tl.zeros([64, BV], dtype=tl.float32)
     if HAS_DHT:
-        end_grad = dhT + (i_n * HV + i_h) * K * V
-        dS1 += tl.load(end_grad + tile1, mask=mkv1, other=0.0).to(tl.float32)
-        dS2 += tl.load(end_grad + tile2, mask=mkv2, other=0.0).to(tl.float32)
+        G1, G2 = _load_key_blocks(dhT + (i_n * HV + i_h) * K * V, tile1, tile2, mkv1, mkv2)
+        dS1 += G1
+        dS2 += G2
     first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
     n_chunks = tl.cdiv(eos - bos, BT)
@@ -1145,8 +1158,7 @@ def dstates_k64_kernel(
         mtv = mt[:, None] & mv[None, :]
         buf_rows = (i_b * T + rows) * HV + i_h
         copy = dh_buf + ((first_slot + i_c) * HV + i_h) * K * V
-        tl.store(copy + tile1, dS1.to(dh_buf.dtype.element_ty), mask=mkv1)
-        tl.store(copy + tile2, dS2.to(dh_buf.dtype.element_ty), mask=mkv2)
+        _store_key_blocks(copy, dS1, dS2, tile1, tile2, mkv1, mkv2)
         k_rows = k + rows[:, None] * sk_t
         k1 = tl.load(k_rows + c1[None, :], mask=mt[:, None], other=0.0)
         k2 = tl.load(k_rows + c2[None, :], mask=mt[:, None] & m2[None, :], other=0.0)
@@ -1169,9 +1181,7 @@ def dstates_k64_kernel(
         minus_dD = to_bf16(-dDc)
         dS1 = _dot_bf16_acc(wt1, minus_dD, _dot_bf16_acc(qt1, dOe, dS1 * decay))
         dS2 = _dot_bf16_acc(wt2, minus_dD, _dot_bf16_acc(qt2, dOe, dS2 * decay))
-    start_grad = dh0 + (i_n * HV + i_h) * K * V
-    tl.store(start_grad + tile1, dS1, mask=mkv1)
-    tl.store(start_grad + tile2, dS2, mask=mkv2)
+    _store_key_blocks(dh0 + (i_n * HV + i_h) * K * V, dS1, dS2, tile1, tile2, mkv1, mkv2)
 
 
 @triton.jit
