@@ -954,6 +954,18 @@ def _load_key_blocks(state, tile1, tile2, mkv1, mkv2):
 
 
 @triton.jit
+def _start_key_blocks(state, tile1, tile2, mkv1, mkv2, BV: tl.constexpr, GIVEN: tl.constexpr):
+    """A walk's start in two fp32 key blocks: ``state``'s (GIVEN) or zeros."""
+    S1 = tl.zeros([64, BV], dtype=tl.float32)
+    S2 = tl.zeros([64, BV], dtype=tl.float32)
+    if GIVEN:
+        H1, H2 = _load_key_blocks(state, tile1, tile2, mkv1, mkv2)
+        S1 += H1
+        S2 += H2
+    return S1, S2
+
+
+@triton.jit
 def _store_key_blocks(state, S1, S2, tile1, tile2, mkv1, mkv2):
     """The two key blocks into a [K, V] state, in its dtype."""
     tl.store(state + tile1, S1.to(state.dtype.element_ty), mask=mkv1)
@@ -975,12 +987,8 @@ def states_k64_kernel(
     i_b, bos, eos = sequence_bounds(cu, i_n, T, VARLEN)
     cv, mv, c1, c2, m2, tile1, tile2, mkv1, mkv2 = _key_blocks(K, V, BV)
     k += i_b * sk_b + (i_h // GROUP) * sk_h
-    S1 = tl.zeros([64, BV], dtype=tl.float32)
-    S2 = tl.zeros([64, BV], dtype=tl.float32)
-    if HAS_H0:
-        H1, H2 = _load_key_blocks(h0 + (i_n * HV + i_h) * K * V, tile1, tile2, mkv1, mkv2)
-        S1 += H1
-        S2 += H2
+    S1, S2 = _start_key_blocks(h0 + (i_n * HV + i_h) * K * V, tile1, tile2, mkv1, mkv2, BV,
+                               HAS_H0)
     first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
     for i_c in range(C0, tl.minimum(tl.cdiv(eos - bos, BT), C1)):
@@ -1142,12 +1150,8 @@ def dstates_k64_kernel(
     q += i_b * sq_b + i_hk * sq_h
     k += i_b * sk_b + i_hk * sk_h
     do += i_b * sd_b + i_h * sd_h
-    dS1 = tl.zeros([64, BV], dtype=tl.float32)
-    dS2 = tl.zeros([64, BV], dtype=tl.float32)
-    if HAS_DHT:
-        G1, G2 = _load_key_blocks(dhT + (i_n * HV + i_h) * K * V, tile1, tile2, mkv1, mkv2)
-        dS1 += G1
-        dS2 += G2
+    dS1, dS2 = _start_key_blocks(dhT + (i_n * HV + i_h) * K * V, tile1, tile2, mkv1, mkv2, BV,
+                                 HAS_DHT)
     first_slot = chunk_slot(i_n, bos, 0, BT, tl.cdiv(T, BT), VARLEN)
     r = tl.arange(0, BT)
     n_chunks = tl.cdiv(eos - bos, BT)
