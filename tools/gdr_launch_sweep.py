@@ -56,8 +56,6 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # launcher's auto: beside where both launches fit the SMs at once, i.e. at B1 T32768)
     "backward states apart": {"env": {"FUSETUNE_GDR_BWD_SEQ": "apart"}},
     "backward states beside": {"env": {"FUSETUNE_GDR_BWD_SEQ": "beside"}},
-    # the forward's walk in parts beside the per-chunk kernels (gdr_chunk.forward_parts; auto:
-    # 2 parts where the walk leaves half the SMs idle, i.e. at B1 T32768)
     # the walks as states_kernel / dstates_kernel (transposed products) where the launcher
     # takes the key-block walks (gdr_chunk.walks_in_key_blocks), and those at 8 warps
     "walks transposed": {"env": {"FUSETUNE_GDR_WALK": "transposed"}},
@@ -65,6 +63,8 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "states_k64_kernel": dict(num_warps=8),
         "dstates_k64_kernel": dict(num_warps=8),
     },
+    # the forward's walk in parts beside the per-chunk kernels (gdr_chunk.forward_parts; auto:
+    # 2 parts where the walk leaves half the SMs idle, i.e. at B1 T32768)
     "forward in one part": {"env": {"FUSETUNE_GDR_FWD_PARTS": "1"}},
     "forward in 4 parts": {"env": {"FUSETUNE_GDR_FWD_PARTS": "4"}},
     "forward in 8 parts": {"env": {"FUSETUNE_GDR_FWD_PARTS": "8"}},

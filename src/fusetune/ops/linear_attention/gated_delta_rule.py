@@ -217,22 +217,34 @@ class _ChunkRun:
         """The start state of every chunk in [c0, c1) (all) into h_buf and its writes D into
         d_buf, from h0 (zeros if None); the state after them into hT (if given)."""
         c0, c1 = chunks or (0, self.max_chunks)
-        if self.key_block_walks:
-            gdr_chunk.states_k64_kernel[self.column_grid](
-                k, self.kd_buf, self.decay_buf, self.w_buf, self.u_buf, self.d_buf, self.h_buf,
-                self.u_buf if h0 is None else h0, self.u_buf if hT is None else hT, cu_arg,
-                *bth_strides(k), plan.seq_len, plan.value_heads, c0, c1, V=plan.value_dim,
-                BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None,
-                **self.key_block_launch,
-            )
-            return
-        gdr_chunk.states_kernel[self.column_grid](
+        if self.key_block_walks:  # (the same arguments; no SEQ_BF16: every product bf16)
+            kernel, launch = gdr_chunk.states_k64_kernel, self.key_block_launch
+        else:
+            kernel, launch = gdr_chunk.states_kernel, {**self.sequential, **self.states_launch}
+        kernel[self.column_grid](
             k, self.kd_buf, self.decay_buf, self.w_buf, self.u_buf, self.d_buf, self.h_buf,
             self.u_buf if h0 is None else h0, self.u_buf if hT is None else hT, cu_arg,
             *bth_strides(k), plan.seq_len, plan.value_heads, c0, c1, V=plan.value_dim,
-            BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None, **self.sequential,
-            **self.states_launch,
+            BV=self.bv, HAS_H0=h0 is not None, STORE_HT=hT is not None, **launch,
         )
+
+    def dstates(self, plan, q, k, do, dd_buf, dh_buf, dhT, dh0, scale, cu_arg) -> None:
+        """dS per chunk into dh_buf and dD into dd_buf, walking the chunks in reverse from dhT
+        (zeros if None) to dh0 (dstates_kernel or its key-block form, which takes no scale:
+        wy_kernel's qd_buf carries it)."""
+        args = (q, k, do, self.kd_buf, self.qd_buf, self.decay_buf, self.w_buf, dd_buf, dh_buf,
+                dh_buf if dhT is None else dhT, dh0, cu_arg, *bth_strides(q), *bth_strides(k),
+                *bth_strides(do))  # fmt: skip
+        given = dict(V=plan.value_dim, BV=self.bv, HAS_DHT=dhT is not None)
+        if self.key_block_walks:
+            gdr_chunk.dstates_k64_kernel[self.column_grid](
+                *args, plan.seq_len, plan.value_heads, **given, **self.key_block_launch
+            )
+        else:
+            gdr_chunk.dstates_kernel[self.column_grid](
+                *args, scale, plan.seq_len, plan.value_heads, **given, **self.sequential,
+                **self.dstates_launch,
+            )
 
     def output(self, plan, q, k, o, scale, cu_arg, chunks) -> None:
         """O over the chunks [c0, c1)."""
@@ -309,22 +321,7 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, t_kept, h0, cu, scale, l2
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             run.sequential_states(plan, k, h0, None, cu_arg)
-    if run.key_block_walks:
-        gdr_chunk.dstates_k64_kernel[run.column_grid](
-            q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
-            dh_buf if dhT is None else dhT, dh0,
-            cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), plan.seq_len,
-            plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
-            **run.key_block_launch,
-        )
-    else:
-        gdr_chunk.dstates_kernel[run.column_grid](
-            q, k, do, run.kd_buf, run.qd_buf, run.decay_buf, run.w_buf, dd_buf, dh_buf,
-            dh_buf if dhT is None else dhT, dh0,
-            cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(do), scale, plan.seq_len,
-            plan.value_heads, V=plan.value_dim, BV=run.bv, HAS_DHT=dhT is not None,
-            **run.sequential, **run.dstates_launch,
-        )
+    run.dstates(plan, q, k, do, dd_buf, dh_buf, dhT, dh0, scale, cu_arg)
     if side is not None:  # (before any buffer the side stream reads is freed)
         torch.cuda.current_stream(device).wait_stream(side)
     # freed before the gradients' buffers are allocated: no peak holds both (u_buf is d_buf

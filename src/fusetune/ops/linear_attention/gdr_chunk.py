@@ -576,12 +576,12 @@ def _tail(g, r):
 
 
 @triton.jit
-def _tail_sums(gc_buf, buf_rows, rows, end, HV):
-    """``_tail`` from wy_kernel's gates in gc_buf (rows ``buf_rows`` of tokens ``rows`` before
-    ``end``): each token's next gate loaded (a shifted copy), then summed by a reverse scan, with
-    no [BT, BT] tile."""
-    g_next = tl.load(gc_buf + buf_rows + HV, mask=rows + 1 < end, other=0.0)
-    return tl.cumsum(g_next, axis=0, reverse=True)
+def _tail_sums(next_gates, rows, end):
+    """``_tail`` for tokens ``rows`` of a chunk ending before ``end``, from the pointers to each
+    token's next gate (a shifted load; floored as wy_kernel floors them), summed by a reverse
+    scan: no [BT, BT] tile."""
+    g_next = tl.load(next_gates, mask=rows + 1 < end, other=0.0).to(tl.float32)
+    return tl.cumsum(tl.maximum(g_next, -1.0e4), axis=0, reverse=True)
 
 
 @triton.jit
@@ -834,9 +834,7 @@ def wy_kernel(
     rk = _inv_norm(k_sq, BT, L2NORM)
     gc, total = gate_sums(gq)
     tl.store(gc_buf + out_rows, gq, mask=mt)
-    g_next = tl.load(g + i_b * sg_b + i_h * sg_h + (rows + 1) * sg_t, mask=rows + 1 < end,
-                     other=0.0).to(tl.float32)
-    tail = tl.cumsum(tl.maximum(g_next, -1.0e4), axis=0, reverse=True)  # (_tail_sums)
+    tail = _tail_sums(g + i_b * sg_b + i_h * sg_h + (rows + 1) * sg_t, rows, end)
     tl.store(kd_buf + out_rows, tl.where(mt, tl.exp(tail), 0.0) * rk, mask=mt)
     slot = chunk_slot(i_n, bos, i_c, BT, tl.cdiv(T, BT), VARLEN)
     tl.store(decay_buf + slot * HV + i_h, tl.exp(total))
@@ -1353,13 +1351,13 @@ def bwd_chunk_kernel(
                    other=0.0)
     rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
     bc = tl.load(beta + i_b * sb_b + i_h * sb_h + rows * sb_t, mask=mt, other=0.0).to(tl.float32)
-    gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
+    _, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     eg = tl.exp(gc)
     # S_end = e^{G_last} S0 + (e^{G_last - G} K)^T D: dg_u's own terms (factors e^{G_t},
     # t >= u) and tail terms (e^{G_last - G_s}, s < u); W = T (beta e^G K).
     dq = eg[:, None] * dQe
     own = scale * rq * tl.sum(q_in.to(tl.float32) * dq, axis=1)
-    dk = tl.where(mt, tl.exp(_tail_sums(gc_buf, buf_rows, rows, end, HV)), 0.0)[:, None] * dKd
+    dk = tl.where(mt, tl.exp(_tail_sums(gc_buf + buf_rows + HV, rows, end)), 0.0)[:, None] * dKd
     tail = rk * tl.sum(k_in.to(tl.float32) * dk, axis=1)
     k_dkb = rk * tl.sum(k_in.to(tl.float32) * dkb, axis=1)
     dbeta = tl.load(dbeta_buf + buf_rows, mask=mt, other=0.0) + eg * k_dkb
