@@ -297,3 +297,22 @@ def test_kernel_kinds_of_a_profiled_step():
         "_lora_glu_backward_kernel": "triton",
     }
     assert {name: kernel_kind(name) for name in names} == names
+
+
+def test_fla_rows_keep_the_lifted_guard_label(monkeypatch):
+    """Both Gated DeltaNet shapes ask for FLA; once the Triton guard is lifted for the first,
+    the second row must still say that its results are not checked."""
+    import types
+
+    from fusetune.bench import cases_gated_delta_rule as cases
+
+    chunk_o = types.SimpleNamespace(TRITON_ABOVE_3_7_1=False)
+    rule = types.SimpleNamespace(chunk_gated_delta_rule=object())
+    modules = {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
+               "fla.ops.common": types.SimpleNamespace(chunk_o=chunk_o),
+               "fla.ops.gated_delta_rule": rule}  # fmt: skip
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    names = [cases._fla_chunk()[0] for _ in range(2)]
+    assert names == ["fla (Triton < 3.7.1 guard lifted: timing only)"] * 2
+    assert chunk_o.TRITON_ABOVE_3_7_1 is True

@@ -36,9 +36,11 @@ def _fla_chunk() -> tuple[str, Callable] | None:
     except Exception as exc:  # noqa: BLE001 - a missing peer (or its dependency) is a result
         print(f"note: fla not importable: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    if getattr(chunk_o, "TRITON_ABOVE_3_7_1", True):
+    # The lift is remembered on the module: the next case's row must keep its label too.
+    lifted = getattr(chunk_o, "_lifted_by_fusetune", False)
+    if getattr(chunk_o, "TRITON_ABOVE_3_7_1", True) and not lifted:
         return "fla", chunk_gated_delta_rule
-    chunk_o.TRITON_ABOVE_3_7_1 = True
+    chunk_o.TRITON_ABOVE_3_7_1 = chunk_o._lifted_by_fusetune = True
     return "fla (Triton < 3.7.1 guard lifted: timing only)", chunk_gated_delta_rule
 
 
