@@ -80,10 +80,10 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
         "bwd_pairs_kernel": dict(num_stages=2),
         "bwd_chunk_kernel": dict(num_stages=2),
     },
-    # bwd_chunk's value loop waits on its loads (8 % of its stall samples at the dO load's
-    # barrier, 2026-12-02 twentyninth call-03): deeper prefetch, same registers and spill
-    # offline (sm_90: 81920 bytes shared at 2 stages, 110592 at 3, 147456 at 4)
-    "bwd_chunk 3 stages": {"bwd_chunk_kernel": dict(num_stages=3)},
+    # bwd_chunk's value loop waited on its loads (8 % of its stall samples at the dO load's
+    # barrier, 2026-12-02 twentyninth call-03): the launcher's 3 stages since the thirtieth
+    # (sm_90: 81920 bytes shared at 2 stages, 110592 at 3, 147456 at 4)
+    "bwd_chunk 2 stages": {"bwd_chunk_kernel": dict(num_stages=2)},
     "bwd_chunk 4 stages": {"bwd_chunk_kernel": dict(num_stages=4)},
     "wy 2 stages": {"wy_kernel": dict(num_stages=2)},
     "wy 8 warps": {"wy_kernel": dict(num_warps=8)},

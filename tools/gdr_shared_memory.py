@@ -155,14 +155,15 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
         ("bwd_pairs_kernel", gdr_chunk.bwd_pairs_kernel, dict(base, BVA=bwd_bv), per_chunk),
         ("bwd_chunk_kernel", gdr_chunk.bwd_chunk_kernel, dict(base, BVA=bwd_bv), BWD_WARPS),
     ]
-    # the launcher's stages: 2 for the sequential kernels with bf16 products and for the two
-    # backward per-chunk kernels with tf32 products, else 1
-    two = {"states_kernel": sequential, "dstates_kernel": sequential}
-    two.update(dict.fromkeys(("bwd_pairs_kernel", "bwd_chunk_kernel"), tf32))
+    # the launcher's stages (_ChunkRun): 2 for the sequential kernels with bf16 products, 2 for
+    # bwd_pairs and 3 for bwd_chunk with tf32 products, else 1
+    walk, pairs, chunk = (2 if sequential else 1), (2 if tf32 else 1), (3 if tf32 else 1)
+    stages_of = {"states_kernel": walk, "dstates_kernel": walk, "bwd_pairs_kernel": pairs,
+                 "bwd_chunk_kernel": chunk}  # fmt: skip
     for name, kernel, consts, warps in jobs:
         if ONLY and name.split()[0] not in ONLY:
             continue
-        stages = 2 if two.get(name) else 1
+        stages = stages_of.get(name, 1)
         compiled = compile_kernel(kernel, consts, warps, dtype, hints, stages)
         print(
             f"K=V={dim} chunk {bt} {mode} {dtype} {name} ({warps} warps, {stages} stages): "

@@ -161,9 +161,12 @@ class _ChunkRun:
         # T32768 10.44 -> 9.57 and 10.02 (docs/bench/session-2026-11-28-nineteenth/call-04);
         # both: 5.16 -> 4.70 and 10.36 -> 9.53 (session-2026-11-28-twentieth/call-01).
         # split3 stays at 8 warps, 1 stage: at 4 warps its bwd_pairs collapses to 32 registers
-        # on sm_80 (a 9.8-22 KB stack, offline).
+        # on sm_80 (a 9.8-22 KB stack, offline). bwd_chunk's value loop waited on its loads:
+        # at 3 stages, H200 bwd_chunk 0.983 -> 0.913 ms at B4 T4096, 1.983 -> 1.893 at B1
+        # T32768 (4 stages: 0.906 / 1.908), same registers and spill; 110592 bytes of shared
+        # memory on sm_90, 73760 on sm_80 (docs/bench/session-2026-12-02-thirtieth/call-04).
         self.bwd_pairs_launch = dict(self.per_chunk, num_stages=2 if tf32 else 1)
-        self.bwd_chunk_launch = dict(self.wide, num_stages=2 if tf32 else 1)
+        self.bwd_chunk_launch = dict(self.wide, num_stages=3 if tf32 else 1)
         self.chunk_grid = (self.max_chunks, plan.n_seq * plan.value_heads)
         # one warp: the 16 x 16 forward substitution's row reductions stay inside it
         self.inverse_launch = {**{n: self.common[n] for n in ("GROUP", "K", "BT", "VARLEN",

@@ -55,7 +55,8 @@ BWD_BLOCK_V = 64  # value columns a step of the backward kernels' loops (tests l
 # default) states_kernel took 182 KB, dstates_kernel 280 KB and bwd_chunk_kernel 311 KB (the
 # GPU's failure: "Required: 280064"). The launcher sets num_stages=1 for every kernel but the
 # sequential ones with bf16 products, whose W tile is half the size: they run at 2 (prefetching
-# the next chunk's loads, which do not wait on the state; _ChunkRun's comment has the times).
+# the next chunk's loads, which do not wait on the state; _ChunkRun's comment has the times),
+# and the backward's per-chunk kernels with tf32 products: bwd_pairs at 2, bwd_chunk at 3.
 # Measured by compiling for sm_90 offline (Triton 3.9, ``triton.compile`` with
 # GPUTarget("cuda", 90, 32), metadata.shared; bytes, num_stages=1), before the split modes:
 #   K = V = 128, BT 64:  wy 32768 (8 warps), states 65536 (BV 64; the launcher uses 32),
