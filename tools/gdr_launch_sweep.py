@@ -49,8 +49,8 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     # (the launcher's 2 stages for bf16 since 2026-11-27 eighteenth: H100 B4 T4096 6.43 ->
     # 6.17 ms, B1 T32768 13.67 -> 12.48; 1 stage is what they ran before)
     "states / dstates 1 stage": {
-        "states_kernel": dict(num_stages=1),
-        "dstates_kernel": dict(num_stages=1),
+        **dict.fromkeys(("states_kernel", "states_k64_kernel"), dict(num_stages=1)),
+        **dict.fromkeys(("dstates_kernel", "dstates_k64_kernel"), dict(num_stages=1)),
     },
     # the backward's states recompute on a side stream beside dstates (branch gdr-state-t; the
     # launcher's auto: beside where both launches fit the SMs at once, i.e. at B1 T32768)
@@ -69,21 +69,18 @@ VARIANTS = {  # (dropped, each slower on both bench shapes: bwd_chunk at 4 warps
     "forward in 4 parts": {"env": {"FUSETUNE_GDR_FWD_PARTS": "4"}},
     "forward in 8 parts": {"env": {"FUSETUNE_GDR_FWD_PARTS": "8"}},
     "states / dstates 3 stages": {
-        "states_kernel": dict(num_stages=3),
-        "dstates_kernel": dict(num_stages=3),
+        **dict.fromkeys(("states_kernel", "states_k64_kernel"), dict(num_stages=3)),
+        **dict.fromkeys(("dstates_kernel", "dstates_k64_kernel"), dict(num_stages=3)),
     },
     # the backward's per-chunk gradients in two kernels since 2026-11-28 (nineteenth): each
     # holds fewer tiles than the one kernel did, so its lost settings are timed again
     "bwd_pairs 4 warps": {"bwd_pairs_kernel": dict(num_warps=4)},
     "bwd BVA 64": {"bwd_pairs_kernel": dict(BVA=64), "bwd_chunk_kernel": dict(BVA=64)},
-    "bwd 2 stages": {
-        "bwd_pairs_kernel": dict(num_stages=2),
-        "bwd_chunk_kernel": dict(num_stages=2),
-    },
     # bwd_chunk's value loop waited on its loads (8 % of its stall samples at the dO load's
     # barrier, 2026-12-02 twentyninth call-03): the launcher's 3 stages since the thirtieth
     # (sm_90: 81920 bytes shared at 2 stages, 110592 at 3, 147456 at 4)
     "bwd_chunk 2 stages": {"bwd_chunk_kernel": dict(num_stages=2)},
+    "bwd_pairs 3 stages": {"bwd_pairs_kernel": dict(num_stages=3)},
     "bwd_chunk 4 stages": {"bwd_chunk_kernel": dict(num_stages=4)},
     "wy 2 stages": {"wy_kernel": dict(num_stages=2)},
     "wy 8 warps": {"wy_kernel": dict(num_warps=8)},
