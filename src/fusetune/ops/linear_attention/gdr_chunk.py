@@ -374,15 +374,22 @@ def _dot2_right(a, b):
 
 
 @triton.jit
+def _dot_16bit(a, b, acc):
+    """acc + a @ b of two tiles of one 16-bit dtype, summed in fp32 (the products exact: see
+    _dot_inputs); through fp32 in the interpreter, whose bf16 tl.dot is wrong."""
+    if UPCAST_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _dot_inputs(a, b):
     """a @ b of two 16-bit tiles (fp32 accumulation): the products are exact in fp32 (8 or 11
     mantissa bits a factor). bf16 goes through fp32 in the interpreter, whose bf16 tl.dot is
     wrong (see fusetune._triton.dot)."""
     if a.dtype == b.dtype:
-        if UPCAST_BF16:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            return tl.dot(a, b)
+        return _dot_16bit(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32))
     else:  # fp16 with bf16: both exact in tf32
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
 
@@ -925,15 +932,6 @@ def states_kernel(
 
 
 @triton.jit
-def _dot_bf16_acc(a, b, acc):
-    """acc + a @ b of two bf16 tiles, summed in fp32 (see _dot_inputs)."""
-    if UPCAST_BF16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _key_blocks(K, V, BV: tl.constexpr):
     """A key-block walk's value columns (program axis 0: a block of BV) and the two [64, BV] key
     blocks of its [K, V] state: (cv, mv, c1, c2, m2, tile1, tile2, mkv1, mkv2)."""
@@ -1010,15 +1008,15 @@ def states_k64_kernel(
             U = tl.load(u_buf + buf_rows[:, None] * V + cv[None, :], mask=mtv, other=0.0)
         else:
             U = tl.load(d_rows, mask=mtv, other=0.0)
-        WS = _dot_bf16_acc(W1, to_bf16(S1), tl.zeros([BT, BV], dtype=tl.float32))
-        Dc = U - _dot_bf16_acc(W2, to_bf16(S2), WS)
+        WS = _dot_inputs(W1, to_bf16(S1))
+        Dc = U - _dot_16bit(W2, to_bf16(S2), WS)
         if d_buf.dtype.element_ty == tl.bfloat16:
             tl.store(d_rows, to_bf16(Dc), mask=mtv)
         else:
             tl.store(d_rows, Dc, mask=mtv)
         kD = to_bf16(kd[:, None] * Dc)
-        S1 = _dot_bf16_acc(kt1, kD, S1 * decay)
-        S2 = _dot_bf16_acc(kt2, kD, S2 * decay)
+        S1 = _dot_16bit(kt1, kD, S1 * decay)
+        S2 = _dot_16bit(kt2, kD, S2 * decay)
     if STORE_HT:
         _store_key_blocks(hT + (i_n * HV + i_h) * K * V, S1, S2, tile1, tile2, mkv1, mkv2)
 
@@ -1176,14 +1174,14 @@ def dstates_k64_kernel(
         qd = tl.load(qd_buf + buf_rows, mask=mt, other=0.0)
         decay = tl.load(decay_buf + (first_slot + i_c) * HV + i_h)
         dd_rows = dd_buf + buf_rows[:, None] * V + cv[None, :]
-        KdS = _dot_bf16_acc(k1, to_bf16(dS1), tl.zeros([BT, BV], dtype=tl.float32))
-        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + kd[:, None] * _dot_bf16_acc(
+        KdS = _dot_inputs(k1, to_bf16(dS1))
+        dDc = tl.load(dd_rows, mask=mtv, other=0.0) + kd[:, None] * _dot_16bit(
             k2, to_bf16(dS2), KdS)
         tl.store(dd_rows, dDc, mask=mtv)
         dOe = to_bf16(qd[:, None] * dO_in.to(tl.float32))  # (e^G Q)^T dO = Q^T dOe
         minus_dD = to_bf16(-dDc)
-        dS1 = _dot_bf16_acc(wt1, minus_dD, _dot_bf16_acc(qt1, dOe, dS1 * decay))
-        dS2 = _dot_bf16_acc(wt2, minus_dD, _dot_bf16_acc(qt2, dOe, dS2 * decay))
+        dS1 = _dot_16bit(wt1, minus_dD, _dot_16bit(qt1, dOe, dS1 * decay))
+        dS2 = _dot_16bit(wt2, minus_dD, _dot_16bit(qt2, dOe, dS2 * decay))
     _store_key_blocks(dh0 + (i_n * HV + i_h) * K * V, dS1, dS2, tile1, tile2, mkv1, mkv2)
 
 
