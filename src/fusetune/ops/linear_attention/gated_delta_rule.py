@@ -114,6 +114,9 @@ class _ChunkRun:
         # to its chunk's end times 1 / ||k||, scale e^G / ||q|| (backward), e^G_last a chunk
         self.kd_buf = _utils.empty(rows, f32, device)
         self.qd_buf = _utils.empty(rows if backward else (0,), f32, device)
+        # (1 / ||q_t||, 1 / ||k_t||) for bwd_pairs (gdr_chunk._load_norms); bwd_chunk forms its
+        # own: loaded, its spill rose 576 -> 704 B and its time with it (H200, 2026-12-02)
+        self.norm_buf = _utils.empty((*rows, 2) if backward else (0,), f32, device)
         self.decay_buf = _utils.empty((slots, plan.value_heads), f32, device)
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
         dot = gdr_chunk.dot_mode(v.dtype, _utils.shared_memory_per_block(device))
@@ -210,8 +213,9 @@ class _ChunkRun:
         gdr_chunk.wy_kernel[grid](
             q_arg, k, v, g, beta, do_arg, self.gc_buf, self.t_buf, self.w_buf, self.u_buf,
             dd_buf if local else self.u_buf, self.kd_buf, self.qd_buf if local else self.kd_buf,
-            self.decay_buf, cu_arg, *bth_strides(q_arg), *bth_strides(k),
-            *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg), scale,
+            self.norm_buf if local else self.kd_buf, self.decay_buf, cu_arg, *bth_strides(q_arg),
+            *bth_strides(k), *bth_strides(v), *g.stride(), *beta.stride(), *bth_strides(do_arg),
+            scale,
             plan.seq_len, plan.value_heads, c0, V=plan.value_dim, BV=self.wy_block,
             LOCAL_DD=local, **self.wy_launch,
         )
@@ -335,9 +339,9 @@ def _backward_chunked(plan, do, dhT, q, k, v, g, beta, t_kept, h0, cu, scale, l2
     # the token-pair gradients dQK and dKK, packed in one tile a chunk (gdr_chunk._pack_pairs)
     pair_buf = _utils.empty(run.t_buf.shape, f32, device)
     gdr_chunk.bwd_pairs_kernel[run.chunk_grid](
-        q, k, v, beta, do, run.gc_buf, run.t_buf, run.d_buf, dd_buf, pair_buf, dv, dbeta_buf,
-        dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v), *beta.stride(),
-        *bth_strides(do), *bth_strides(dv), scale, plan.seq_len, plan.value_heads,
+        q, k, v, beta, do, run.gc_buf, run.norm_buf, run.t_buf, run.d_buf, dd_buf, pair_buf, dv,
+        dbeta_buf, dg_buf, cu_arg, *bth_strides(q), *bth_strides(k), *bth_strides(v),
+        *beta.stride(), *bth_strides(do), *bth_strides(dv), scale, plan.seq_len, plan.value_heads,
         V=plan.value_dim, BVA=block, **run.bwd_pairs_launch,
     )
     gdr_chunk.bwd_chunk_kernel[run.chunk_grid](

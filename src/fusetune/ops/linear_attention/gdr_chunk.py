@@ -602,6 +602,19 @@ def inv_norms(x_in, BT: tl.constexpr, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _load_norms(norm_buf, buf_rows, mt, BT: tl.constexpr, L2NORM: tl.constexpr):
+    """(1 / ||q_t||, 1 / ||k_t||) of a chunk's rows as the backward's wy_kernel stored them in
+    norm_buf [rows, 2], or ones without L2NORM: bwd_pairs takes them from there instead of
+    forming the rows' square sums, square roots and divisions again."""
+    if L2NORM:
+        rq = tl.load(norm_buf + 2 * buf_rows, mask=mt, other=1.0)
+        rk = tl.load(norm_buf + 2 * buf_rows + 1, mask=mt, other=1.0)
+        return rq, rk
+    else:
+        return tl.full([BT], 1.0, tl.float32), tl.full([BT], 1.0, tl.float32)
+
+
+@triton.jit
 def _square_sum(x):
     x = x.to(tl.float32)
     return tl.sum(x * x, axis=1)
@@ -795,7 +808,8 @@ def inverse_kernel(
 
 @triton.jit
 def wy_kernel(
-    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, kd_buf, qd_buf, decay_buf, cu,
+    q, k, v, g, beta, do, gc_buf, t_buf, w_buf, u_buf, dd_buf, kd_buf, qd_buf, norm_buf,
+    decay_buf, cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     sd_b, sd_t, sd_h,
     scale, T, HV, C0, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BKW: tl.constexpr,
@@ -861,6 +875,9 @@ def wy_kernel(
         P = QK * (scale * _decays(gq, r, False))
         Pt = tl.trans(P * (rq[:, None] * rk[None, :]))
         tl.store(qd_buf + out_rows, scale * rq * tl.exp(gc), mask=mt)
+        if L2NORM:  # (bwd_pairs reads them: _load_norms)
+            tl.store(norm_buf + 2 * out_rows, rq, mask=mt)
+            tl.store(norm_buf + 2 * out_rows + 1, rk, mask=mt)
     for v0 in range(0, V, BV):
         cv = v0 + tl.arange(0, BV)
         mtv = mt[:, None] & (cv < V)[None, :]
@@ -1209,7 +1226,8 @@ def _unpack_pairs(pair_buf, buf_rows, mt, r, BT: tl.constexpr):
 
 @triton.jit
 def bwd_pairs_kernel(
-    q, k, v, beta, do, gc_buf, t_buf, d_buf, dd_buf, pair_buf, dv, dbeta_buf, dg_buf, cu,
+    q, k, v, beta, do, gc_buf, norm_buf, t_buf, d_buf, dd_buf, pair_buf, dv, dbeta_buf, dg_buf,
+    cu,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
     sdv_b, sdv_t, sdv_h,
     scale, T, HV, GROUP: tl.constexpr, K, V, BT: tl.constexpr, BK: tl.constexpr,
@@ -1264,7 +1282,7 @@ def bwd_pairs_kernel(
                    other=0.0)
     k_in = tl.load(k + i_b * sk_b + i_hk * sk_h + rows[:, None] * sk_t + ck[None, :], mask=mtk,
                    other=0.0)
-    rq, rk = inv_norms(q_in, BT, L2NORM), inv_norms(k_in, BT, L2NORM)
+    rq, rk = _load_norms(norm_buf, buf_rows, mt, BT, L2NORM)
     gq, gc, g_last = _load_gates(gc_buf, buf_rows, mt)
     gamma = _decays(gq, r, False)
     P = mm(q_in, tl.trans(k_in), DOT) * (scale * gamma) * (rq[:, None] * rk[None, :])
@@ -1285,9 +1303,11 @@ def bwd_pairs_kernel(
     # that would lose a small prefix beside a large term)
     prefix = tl.cumsum(pairs, 1)
     below = tl.sum(tl.where(r[:, None] > r[None, :], prefix, 0.0), axis=0)
-    dg = tl.sum(tl.where(r[:, None] + 1 == r[None, :], below[:, None], 0.0), axis=0)
     tl.store(dbeta_buf + buf_rows, dbeta, mask=mt)
-    tl.store(dg_buf + buf_rows, dg, mask=mt)
+    # below[u - 1] lands on token u by the store's row (one token on), the chunk's first token
+    # takes 0 (no s < u): no [BT, BT] tile to shift it
+    tl.store(dg_buf + buf_rows + HV, below, mask=rows + 1 < end)
+    tl.store(dg_buf + (i_b * T + start) * HV + i_h, 0.0)
 
 
 @triton.jit
