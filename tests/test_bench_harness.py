@@ -138,6 +138,20 @@ def test_providers_filter_orders_and_marks_missing(tmp_path: Path) -> None:
     assert rows[1]["time_ms"] > 0
 
 
+def test_providers_filter_finds_a_labelled_provider(tmp_path: Path) -> None:
+    labelled = "torch (guard lifted: timing only)"
+
+    def make(device: torch.device, quick: bool) -> dict:
+        return {labelled: dict(_make_dummy(device, quick))["torch"]}
+
+    register(_dummy_case("labelled", make=make))
+
+    rows = run_bench(["dummy"], True, tmp_path, providers=["torch"], device="cpu")
+
+    assert [(r["provider"], r["note"]) for r in rows] == [(labelled, "")]
+    assert rows[0]["time_ms"] > 0
+
+
 def test_unknown_op_raises_listing_known_ops(tmp_path: Path) -> None:
     register(_dummy_case())
 

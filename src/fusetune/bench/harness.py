@@ -458,11 +458,17 @@ def _run_case(
         _release(device)
         return [row]
     rows = []
-    names = list(closures) if providers is None else [p for p in providers if p in closures]
-    for missing in [p for p in providers or [] if p not in closures]:
-        row = _row(case, missing, device, quick)
-        row["note"] = "not available"
-        rows.append(row)
+    names = list(closures)
+    if providers is not None:
+        # A provider may carry a label ("fla (Triton < 3.7.1 guard lifted: timing only)"): the
+        # name a user types is the part before it.
+        by_base = {name.split(" (")[0]: name for name in closures}
+        wanted = [by_base.get(p, p) for p in providers]
+        names = [name for name in wanted if name in closures]
+        for missing in [name for name in wanted if name not in closures]:
+            row = _row(case, missing, device, quick)
+            row["note"] = "not available"
+            rows.append(row)
     for name in names:
         row = _row(case, name, device, quick)
         row.update(floor_bytes=nbytes, floor_flops=flops, note=floor_note)
