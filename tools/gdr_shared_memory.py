@@ -163,11 +163,12 @@ def main(dim: int, mode: str, dtype: str, hints: bool = False) -> None:
             ("dstates_k64_kernel", gdr_chunk.dstates_k64_kernel, dict(walks, HAS_DHT=True),
              int(SEQ_WARPS or 4)),
         ]  # fmt: skip
-    # the launcher's stages (_ChunkRun): 2 for the sequential kernels with bf16 products, 2 for
-    # bwd_pairs and 3 for bwd_chunk with tf32 products, else 1
+    # the launcher's stages (_ChunkRun): 2 for the sequential kernels with bf16 products, 3 for
+    # the key-block walks (states_k64 only where its programs leave SMs idle: 2 elsewhere), 2
+    # for bwd_pairs and 3 for bwd_chunk with tf32 products, else 1
     walk, pairs, chunk = (2 if sequential else 1), (2 if tf32 else 1), (3 if tf32 else 1)
-    stages_of = {"states_kernel": walk, "dstates_kernel": walk, "states_k64_kernel": walk,
-                 "dstates_k64_kernel": walk, "bwd_pairs_kernel": pairs,
+    stages_of = {"states_kernel": walk, "dstates_kernel": walk, "states_k64_kernel": 3,
+                 "dstates_k64_kernel": 3, "bwd_pairs_kernel": pairs,
                  "bwd_chunk_kernel": chunk}  # fmt: skip
     for name, kernel, consts, warps in jobs:
         if ONLY and name.split()[0] not in ONLY:

@@ -1,8 +1,8 @@
 # The key-block walks at 3 stages (call 3's row "states / dstates 3 stages": B1 GPU sum 8.39 ->
 # 7.39 ms), as the launcher now takes them (.gdr_trees/walk3: both where the walks' programs
 # leave SMs idle, dstates alone elsewhere on Hopper): (1) bench beside FLA; (2) the fault probe
-# (call 3's 1-stage row faulted, an illegal address); (3) its GDR GPU tests; (4) per kernel
-# against main (.gdr_trees/main, HEAD), one round a shape. carry .gdr_trees .peers.
+# (call 3's 1-stage row faulted, an illegal address); (3) its GDR GPU tests. (A per-kernel A/B
+# against main was cut: a refused start left 561 device-seconds.) carry .gdr_trees .peers.
 set -u
 mkdir -p $OUT/logs
 bash tools/install_carried.sh .peers >/dev/null 2>&1
@@ -17,12 +17,4 @@ PYTHONPATH=.gdr_trees/walk3/src:tests:tools timeout 190 python3 -m pytest -q -p 
   -n 12 tests/test_gated_delta_rule.py tests/test_fake_kernels.py > $OUT/logs/gdr-tests.log 2>&1
 tail -n 2 $OUT/logs/gdr-tests.log
 echo "tests done at $SECONDS s"
-for shape in "4 4096 50" "1 32768 60"; do
-  set -- $shape
-  for tree in main walk3; do
-    PYTHONPATH=.gdr_trees/$tree/src:tests:tools timeout $3 python3 -u tools/gdr_launch_sweep.py \
-      --batch $1 --seq-len $2 --profile --only "launcher's settings" 2>&1 \
-      | grep -v "Warning\|warn" | sed "s|launcher's settings|$tree|" | tee -a $OUT/logs/ab.log
-  done
-done
 echo "done in $SECONDS s"

@@ -190,11 +190,20 @@ class _ChunkRun:
         stages = 2 if seq_bf16 else 1
         self.states_launch = dict(self.wide if few else self.common, num_stages=stages)
         self.dstates_launch = dict(self.wide, num_stages=stages)
-        # the walks in key blocks (gdr_chunk.walks_in_key_blocks), at 4 warps (8 were slower:
-        # B1 T32768 fwd+bwd 8.29 against 7.71 ms, docs/bench/session-2026-12-02-twentyeighth)
+        # The walks in key blocks (gdr_chunk.walks_in_key_blocks), at 4 warps (8 were slower:
+        # B1 T32768 fwd+bwd 8.29 against 7.71 ms, docs/bench/session-2026-12-02-twentyeighth).
+        # They prefetch two chunks ahead (3 stages) where that won on the H200
+        # (docs/bench/session-2026-12-02-thirty-first/call-03, GPU ms at 2 -> 3 stages):
+        # - where their programs leave SMs idle, both (B1 T32768: states 2.300 -> 1.717, dstates
+        #   1.331 -> 0.990);
+        # - elsewhere dstates alone, on Hopper-sized blocks (B4 T4096: 0.311 -> 0.262; sm_90
+        #   holds one block a SM at 2 and 3 stages, 123392 and 185344 bytes, sm_80 two at 2 and
+        #   one at 3: not measured); states lost there (0.343 -> 0.403: 86272 -> 127488 bytes).
         self.key_block_walks = gdr_chunk.walks_in_key_blocks(plan.key_dim, seq_bf16)
-        self.key_block_launch = {**{n: self.common[n] for n in ("GROUP", "K", "BT", "VARLEN")},
-                                 "num_warps": 4, "num_stages": stages}  # fmt: skip
+        walk = {**{n: self.common[n] for n in ("GROUP", "K", "BT", "VARLEN")}, "num_warps": 4}
+        hopper_blocks = (_utils.shared_memory_per_block(device) or 0) >= 200_000
+        self.states_k64_launch = dict(walk, num_stages=3 if few else 2)
+        self.dstates_k64_launch = dict(walk, num_stages=3 if few or hopper_blocks else 2)
 
     def wy(self, plan, k, v, g, beta, cu_arg, q=None, do=None, dd_buf=None, scale=1.0,
            chunks=None) -> None:
@@ -225,7 +234,7 @@ class _ChunkRun:
         d_buf, from h0 (zeros if None); the state after them into hT (if given)."""
         c0, c1 = chunks or (0, self.max_chunks)
         if self.key_block_walks:  # (the same arguments; no SEQ_BF16: every product bf16)
-            kernel, launch = gdr_chunk.states_k64_kernel, self.key_block_launch
+            kernel, launch = gdr_chunk.states_k64_kernel, self.states_k64_launch
         else:
             kernel, launch = gdr_chunk.states_kernel, {**self.sequential, **self.states_launch}
         kernel[self.column_grid](
@@ -245,7 +254,7 @@ class _ChunkRun:
         given = dict(V=plan.value_dim, BV=self.bv, HAS_DHT=dhT is not None)
         if self.key_block_walks:
             gdr_chunk.dstates_k64_kernel[self.column_grid](
-                *args, plan.seq_len, plan.value_heads, **given, **self.key_block_launch
+                *args, plan.seq_len, plan.value_heads, **given, **self.dstates_k64_launch
             )
         else:
             gdr_chunk.dstates_kernel[self.column_grid](
