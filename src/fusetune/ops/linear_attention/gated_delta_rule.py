@@ -119,7 +119,8 @@ class _ChunkRun:
         self.norm_buf = _utils.empty((*rows, 2) if backward else (0,), f32, device)
         self.decay_buf = _utils.empty((slots, plan.value_heads), f32, device)
         self.state_shape = (slots, plan.value_heads, plan.key_dim, plan.value_dim)
-        dot = gdr_chunk.dot_mode(v.dtype, _utils.shared_memory_per_block(device))
+        shared_memory = _utils.shared_memory_per_block(device)  # (None: the interpreter)
+        dot = gdr_chunk.dot_mode(v.dtype, shared_memory)
         # W = T (beta e^G K), bf16 for bf16 inputs, where the sequential kernels' products are
         # bf16 ones too (gdr_chunk.sequential_bf16; FUSETUNE_GDR_W=fp32: fp32 W, tf32)
         seq_bf16 = gdr_chunk.sequential_bf16(v.dtype, dot)
@@ -201,7 +202,7 @@ class _ChunkRun:
         #   one at 3: not measured); states lost there (0.343 -> 0.403: 86272 -> 127488 bytes).
         self.key_block_walks = gdr_chunk.walks_in_key_blocks(plan.key_dim, seq_bf16)
         walk = {**{n: self.common[n] for n in ("GROUP", "K", "BT", "VARLEN")}, "num_warps": 4}
-        hopper_blocks = (_utils.shared_memory_per_block(device) or 0) >= 200_000
+        hopper_blocks = (shared_memory or 0) >= 200_000
         self.states_k64_launch = dict(walk, num_stages=3 if few else 2)
         self.dstates_k64_launch = dict(walk, num_stages=3 if few or hopper_blocks else 2)
 
